@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -143,14 +144,21 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         if not 0 <= getattr(args, name) <= 65535:
             raise UpFlagError(f"kvswitch up: --{name.replace('_', '-')} must be in 0..65535 (0: a free one), "
                              f"got {getattr(args, name)}")  # fmt: skip
-    if args.http_port and args.http_port + routers - 1 > 65535:
-        raise UpFlagError(
-            f"kvswitch up: --http-port {args.http_port} leaves no port for router {routers - 1} of --routers "
-            f"{routers} (router i listens on --http-port + i): at most {65536 - routers}"
-        )
     for name in ("nats_nodes", "etcd_members"):
         if getattr(args, name) < 1:
             raise UpFlagError(f"kvswitch up: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    # Member i of each listens on its port flag + i: past 65535, NATS died "invalid port 65536" after
+    # it started, and etcd was "not healthy" after 30 s.
+    for flag, first, count_flag, count, member in [
+        ("--http-port", args.http_port, "--routers", routers, "router"),
+        ("--nats-port", args.nats_port, "--nats-nodes", args.nats_nodes, "NATS node"),
+        ("--etcd-port", args.etcd_port, "--etcd-members", args.etcd_members, "etcd member"),
+    ]:
+        if first and first + count - 1 > 65535:
+            raise UpFlagError(
+                f"kvswitch up: {flag} {first} leaves no port for {member} {count - 1} of {count_flag} {count} "
+                f"({member} i listens on {flag} + i): at most {65536 - count}"
+            )
     _check_draw(args, workers, routers)
     try:
         subjects.validate_namespace(args.namespace)  # as the router and the shims check it
@@ -524,17 +532,21 @@ class _HealthLog:
 
 class _PartFaults:
     """One part of supervision (watching for exits and restarts, or the health check) that raises:
-    a fault no restart foresaw. A fault is an ERROR with its traceback the first time it is seen
-    since the part last worked, then at most every `every_s` with how many times it came meanwhile
-    (a round every 0.5 s logged 19 tracebacks in 10 s). Only the part's own success ends its count:
-    a health check failing every 5 s between working watch rounds was "works again" each time, and
-    never stopped. `bound_s` without one that works is a supervisor that no longer supervises:
-    `failed` then says why, for `kvswitch up` to stop and exit 1."""
+    a fault no restart foresaw. A fault is its exception's type and the line that raised it, not its
+    message: one naming a pid, a port or a time is the same fault each round (keyed on its text, it
+    was new each round, a traceback every 0.5 s). A new fault since the part last worked is an ERROR
+    at once, with its traceback if none was shown for `every_s` (else without, saying so: distinct
+    faults never flood tracebacks either); the same one again at most every `every_s` with how many
+    times it came meanwhile. Only the part's own success ends its counts: a health check failing
+    every 5 s between working watch rounds was "works again" each time, and never stopped.
+    `bound_s` without one that works is a supervisor that no longer supervises: `failed` then says
+    why, for `kvswitch up` to stop and exit 1."""
 
     def __init__(self, what: str, every_s: float, bound_s: float, clock: Callable[[], float]) -> None:
         self.what, self.every_s, self.bound_s, self._clock = what, every_s, bound_s, clock
         self._since: float | None = None  # its first failure since it last worked
-        self._said: dict[str, tuple[float, int]] = {}  # per fault: when said last, how many since
+        self._said: dict[tuple[str, str, int], tuple[float, int]] = {}  # per fault: when said last, how many since
+        self._traced_at: float | None = None  # its last traceback, kept across `ok` (alternating must not flood)
 
     def failed(self, exc: Exception) -> str | None:
         """Count a failure with `exc`; the fault to stop for once none worked for `bound_s`."""
@@ -544,22 +556,31 @@ class _PartFaults:
         failing = now - self._since
         if failing >= self.bound_s:
             return f"{self.what} failed for {failing:.0f}s, none working since, the last with {fault}"
-        said = self._said.get(fault)
+        key = _fault_key(exc)
+        said = self._said.get(key)
         if said is None:
-            log.error(
-                "%s failed: %s; the cluster runs on, and is stopped if none works for %.0fs",
-                self.what, fault, self.bound_s, exc_info=exc,
-            )  # fmt: skip
-            self._said[fault] = (now, 0)
+            self._said[key] = (now, 0)
+            if self._traced_at is None or now - self._traced_at >= self.every_s:
+                self._traced_at = now
+                log.error(
+                    "%s failed: %s; the cluster runs on, and is stopped if none works for %.0fs",
+                    self.what, fault, self.bound_s, exc_info=exc,
+                )  # fmt: skip
+            else:
+                log.error(
+                    "%s failed: %s; raised at %s:%d, its traceback not shown (one every %.0fs at most, the last "
+                    "%.0fs ago); the cluster runs on, and is stopped if none works for %.0fs",
+                    self.what, fault, key[1], key[2], self.every_s, now - self._traced_at, self.bound_s,
+                )  # fmt: skip
         elif now - said[0] >= self.every_s:
             log.error(
                 "%s failed again (%d times in %.0fs), the last with %s; none worked for %.0fs, the cluster is "
                 "stopped at %.0fs",
                 self.what, said[1] + 1, now - said[0], fault, failing, self.bound_s,
             )  # fmt: skip
-            self._said[fault] = (now, 0)
+            self._said[key] = (now, 0)
         else:
-            self._said[fault] = (said[0], said[1] + 1)
+            self._said[key] = (said[0], said[1] + 1)
         return None
 
     def ok(self) -> None:
@@ -567,6 +588,13 @@ class _PartFaults:
             log.info("%s works again, after %.0fs failing", self.what, self._clock() - self._since)
             self._since = None
             self._said.clear()
+
+
+def _fault_key(exc: Exception) -> tuple[str, str, int]:
+    """`exc`'s type and the file and line that raised it; one never raised has no line (its type alone)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = (frames[-1].filename, frames[-1].lineno or 0) if frames else ("", 0)
+    return (f"{type(exc).__module__}.{type(exc).__qualname__}", *where)
 
 
 class _RoundFaults:

@@ -194,6 +194,13 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
         (["--agg", "1", "--http-host", "0.0.0.0"], "kvswitch up: --http-host is set by kvswitch up itself"),
         (["--agg", "1", "--namespace", "a.b"], "kvswitch up: --namespace must match [A-Za-z0-9_-]+, got 'a.b'"),
         (["--agg", "1", "--routers", "3", "--http-port", "65534"], "--http-port 65534 leaves no port for router 2"),
+        # NATS started and died "invalid port 65536", exit 1; etcd was "not healthy" after 30 s
+        (
+            ["--nats-port", "65534", "--nats-nodes", "3"],
+            "kvswitch up: --nats-port 65534 leaves no port for NATS node 2 of --nats-nodes 3 (NATS node i listens on "
+            "--nats-port + i): at most 65533",
+        ),
+        (["--etcd-port", "65535", "--etcd-members", "3"], "--etcd-port 65535 leaves no port for etcd member 2"),
         # it started NATS and etcd, then failed drawing the sims' ports, naming no flag
         (
             ["--agg", "8000"],

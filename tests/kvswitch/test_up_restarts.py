@@ -589,6 +589,91 @@ def test_a_new_fault_is_said_at_once_and_the_same_one_again_only_after_every_s()
     ]
 
 
+class _ExitedAt(_AlwaysRaising):
+    """A health log whose every round raises from one line, its message naming the round's time."""
+
+    def watch(self) -> None:
+        self.rounds += 1
+        raise RuntimeError(f"child router-0 exited at t={self.rounds * 0.5:.1f}s")
+
+
+def test_a_fault_whose_message_changes_each_round_is_one_fault_said_once_then_counted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Review of d7e1f1e: keyed on its text, each round's was a new fault, a whole traceback every
+    # 0.5 s (20 in 10 s), where the same fault again was promised at most every 30 s with a count
+    monkeypatch.setattr(kvswitch.up, "WATCH_S", 0.001)
+    now = [0.0]
+
+    def clock() -> float:  # half a second per round, as WATCH_S's
+        now[0] += 0.5
+        return now[0]
+
+    async def supervise() -> str | None:
+        faults = _RoundFaults(every_s=30.0, bound_s=60.0, clock=clock)
+        return await _supervise(_Cluster(), _ExitedAt(), asyncio.Event(), faults)  # type: ignore[arg-type]
+
+    with caplog.at_level(logging.ERROR, logger="kvswitch.up"):
+        fault = asyncio.run(supervise())
+    assert fault == (
+        "watching for exits and restarts failed for 60s, none working since, the last with RuntimeError: child "
+        "router-0 exited at t=60.5s"
+    )
+    first, again = caplog.records
+    assert first.exc_info is not None and first.getMessage().startswith(
+        "watching for exits and restarts failed: RuntimeError: child router-0 exited at t=0.5s; "
+    )
+    assert again.exc_info is None and again.getMessage() == (
+        "watching for exits and restarts failed again (60 times in 30s), the last with RuntimeError: child "
+        "router-0 exited at t=30.5s; none worked for 30s, the cluster is stopped at 60s"
+    )
+
+
+def _raised_at(line: int) -> KeyError:
+    """A KeyError raised from `line` of a file of its own: a fault of its own."""
+    try:
+        exec(compile("\n" * (line - 1) + "raise KeyError('x')", "faults.py", "exec"))
+    except KeyError as exc:
+        return exc
+    raise AssertionError("unreachable")
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_new_faults_show_one_traceback_every_s_the_others_a_line_each() -> None:
+    now = [0.0]
+    part = kvswitch.up._PartFaults("the health check", 30.0, 600.0, lambda: now[0])
+    handler = _Records()
+    records = handler.records
+    kvswitch.up.log.addHandler(handler)
+    try:
+        for now[0], line in [(0, 1), (0.5, 2), (1, 3), (1.5, 2), (30, 4), (31, 5)]:
+            assert part.failed(_raised_at(line)) is None
+        part.ok()  # the cap outlives a working round: failing and working in turn must not flood either
+        now[0] = 32
+        assert part.failed(_raised_at(1)) is None
+    finally:
+        kvswitch.up.log.removeHandler(handler)
+    traced = "the cluster runs on, and is stopped if none works for 600s"
+    assert [
+        (r.getMessage().split("; ", 1)[1], r.exc_info is not None) for r in records if r.levelno >= logging.ERROR
+    ] == [
+        (traced, True),  # line 1, at 0
+        (f"raised at faults.py:2, its traceback not shown (one every 30s at most, the last 0s ago); {traced}", False),
+        (f"raised at faults.py:3, its traceback not shown (one every 30s at most, the last 1s ago); {traced}", False),
+        (traced, True),  # line 4, at 30 (line 2 again at 1.5 was counted)
+        (f"raised at faults.py:5, its traceback not shown (one every 30s at most, the last 1s ago); {traced}", False),
+        (f"raised at faults.py:1, its traceback not shown (one every 30s at most, the last 2s ago); {traced}", False),
+    ]
+
+
 class _FakeCluster:
     """Enough of LocalCluster for `run` with no workers: it starts, and `stop` is counted."""
 
