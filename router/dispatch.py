@@ -106,7 +106,7 @@ from protocol.messages import ANNOTATION_BYPASS, BAD_TRANSFER_HANDLE, PREFILL_ST
 from router.disagg import RoutePlan
 from router.eligibility import MALFORMED_COOLDOWN_S
 from router.fleet_lines import FleetLines, FleetLog
-from router.leg import MAX_ANSWER_BYTES, SLOW_READER, Leg, LegError
+from router.leg import MAX_ANSWER_BYTES, SLOW_READER, Leg, LegError, time_up
 from router.policies import Outcome, Path
 from router.tracing import RequestTracer
 from runtime import guarded
@@ -217,12 +217,6 @@ def _generated(chunk: ResponseChunk) -> bool:
 # A shim of before 2026-12-07's BAD_TRANSFER_HANDLE (36ea325) said a bad handle so, as `engine_protocol`:
 # routers are upgraded before shims (docs/deployment.md, Upgrades), so one may still answer this router
 _OLD_BAD_HANDLE = "the prefill leg returned kv_transfer_params with "
-
-
-def _time_up(deadline: float) -> bool:
-    """The request's deadline (time.monotonic()) has passed: a retry or fallback leg would not be
-    sent (Dispatcher._open), so none is begun, counted or logged."""
-    return time.monotonic() >= deadline
 
 
 def _prefill_fault(exc: LegError, timeout_s: float, left_s: float) -> tuple[str, bool] | None:
@@ -690,7 +684,7 @@ class Dispatcher:
                 if exc.engine_failed:
                     job.prefill_error = None  # it failed here too: the request's doing, not the prefill worker's
                 retry = job.first_token_at is None and exc.retryable and job.attempts == 1
-                retry = retry and not _time_up(job.deadline)  # past it, the retry's leg would not be sent
+                retry = retry and not time_up(job.deadline)  # past it, the retry's leg would not be sent
                 plan = job.replan(frozenset(job.tried)) if retry else None
                 if plan is None:
                     for held in job.held:  # its role chunk goes out before its error, as its engine sent it
@@ -783,7 +777,7 @@ class Dispatcher:
             # paying for another remote prefill.
             prefill = self._prefilled_on(job.transfer, plan)
             self._on_transfer(plan.decode.worker, prefill, False)
-            if _time_up(job.deadline):
+            if time_up(job.deadline):
                 raise  # no time for the fallback's leg: the request ends with this one's error
             log.warning(
                 "request %s: decode worker %s failed to load the KV prefilled on %s (%s); prefilling it there",
@@ -961,7 +955,7 @@ class Dispatcher:
             fault = _prefill_fault(exc, settings.prefill_timeout_s, left)
             if fault is not None and not exc.engine_failed:
                 self._on_prefill(worker, *fault)
-            if _time_up(job.deadline):
+            if time_up(job.deadline):
                 # No time for the bypass leg: the request ends with this leg's error (blamed by run),
                 # a 504 naming this worker where it ran out the time, not the decode worker's unsent
                 # leg's. A 5xx stays unjudged: only a fallback that serves puts it down to the worker.

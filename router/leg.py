@@ -34,6 +34,7 @@ __all__ = [
     "Leg",
     "LegError",
     "LegOwner",
+    "time_up",
 ]
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,12 @@ MAX_ANSWER_BYTES = 256 << 20
 SLOW_READER = "slow_reader"
 NATS_LOST = "nats_lost"
 NATS_LOST_WHY = "the router has lost its NATS connection and is reconnecting: no worker can be reached"
+
+
+def time_up(deadline: float) -> bool:
+    """The request's deadline (time.monotonic()) has passed: a retry or fallback leg would not be
+    sent (Dispatcher._open), so none is begun, counted or logged."""
+    return time.monotonic() >= deadline
 
 
 class LegError(Exception):

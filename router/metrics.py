@@ -231,8 +231,9 @@ class _StateCollector(Collector):
         )
         yield CounterMetricFamily(
             "kvswitch_router_loop_stalls",
-            "Stalls of this router's event loop (a tick over 100 ms late): each excuses its workers' and legs' "
-            "silence for one more window",
+            "Stalls of this router's event loop (a tick over 100 ms late): a worker's silence is not counted "
+            "through one (a report's age less the stalls within it), a leg's is excused one more window at most; "
+            "one of 1 s or more is also a WARNING",
             s.loop_stalls,
         )
         yield CounterMetricFamily(

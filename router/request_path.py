@@ -25,7 +25,7 @@ from protocol.messages import ANNOTATION_BYPASS, ResponseChunk
 from router.admission import Admission
 from router.disagg import RoutePlan
 from router.dispatch import Dispatcher, Job
-from router.leg import NATS_LOST_WHY, LegError
+from router.leg import NATS_LOST_WHY, LegError, time_up
 from router.metrics import RouterMetrics
 from router.planner import PlanError, Planner
 from router.request_context import RequestContext, RequestShape
@@ -254,7 +254,7 @@ class RequestPath:
             try:
                 return await self.dispatcher.call(info.worker, info.role, req, deadline)
             except LegError as exc:
-                if not exc.retryable or time.monotonic() >= deadline:  # past it, the next try is not sent
+                if not exc.retryable or time_up(deadline):  # past it, the next try is not sent
                     raise
                 log.warning("%s call %s: %s; trying %s", endpoint, req.request_id, exc, last.worker)
         return await self.dispatcher.call(last.worker, last.role, req, deadline)

@@ -8,28 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 
 from tests.router.conftest import Cluster, complete
 from tests.router.polling import until
-
-
-@pytest.fixture
-async def cluster(nats_url: str, etcd_url: str, ns: str) -> AsyncIterator[Cluster]:
-    c = Cluster(ns, nats_url, etcd_url)
-    try:
-        yield c
-    finally:
-        await c.close()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def test_a_router_woken_from_a_stall_routes_to_its_workers_and_says_it_stalled(

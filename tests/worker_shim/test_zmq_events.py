@@ -24,6 +24,7 @@ from tests.worker_shim.cluster import collector, wait_for
 from worker_shim import EngineBatch, EngineStored, Normaliser
 from worker_shim.adapters import zmq_events
 from worker_shim.adapters.zmq_events import QUIET_PROBE_S, SETTLE_S, ZmqEventSource, resolve_endpoint
+from worker_shim.engine_events import EventSink
 
 
 class StandIn:
@@ -78,18 +79,11 @@ async def stand_in(request: pytest.FixtureRequest) -> AsyncIterator[StandIn]:
 
 
 @contextlib.asynccontextmanager
-async def connected(stand_in: StandIn) -> AsyncIterator[tuple[ZmqEventSource, Normaliser]]:
-    """A source running against the stand-in, its PUB connected, what it delivers folded into a
-    Normaliser; stopped on exit."""
+async def running(stand_in: StandIn, sink: EventSink) -> AsyncIterator[ZmqEventSource]:
+    """A source running against the stand-in, its PUB connected, what it delivers given to `sink`;
+    stopped on exit."""
     source = ZmqEventSource("vllm", stand_in.shim_endpoint, "auto", "kv-events", stand_in.replay_endpoint, "127.0.0.1")
     assert source.bind is (not stand_in.pub_binds)
-    norm = Normaliser(32)
-
-    async def sink(batch: EngineBatch) -> None:
-        if batch.reset:
-            norm.reset(exact=batch.complete)
-        norm.apply(batch.events)
-
     replay = asyncio.create_task(stand_in.serve_replay())
     live = asyncio.Event()
     run = asyncio.create_task(source.run(sink, live))
@@ -97,13 +91,27 @@ async def connected(stand_in: StandIn) -> AsyncIterator[tuple[ZmqEventSource, No
         await asyncio.wait_for(live.wait(), 5)
         stand_in.connect_pub()
         await wait_for(lambda: source._connections >= 1, 5, "SUB connected")
-        yield source, norm
+        yield source
     finally:
         run.cancel()
         replay.cancel()
         for t in (run, replay):
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+
+
+@contextlib.asynccontextmanager
+async def connected(stand_in: StandIn) -> AsyncIterator[tuple[ZmqEventSource, Normaliser]]:
+    """`running`, what the source delivers folded into a Normaliser."""
+    norm = Normaliser(32)
+
+    async def sink(batch: EngineBatch) -> None:
+        if batch.reset:
+            norm.reset(exact=batch.complete)
+        norm.apply(batch.events)
+
+    async with running(stand_in, sink) as source:
+        yield source, norm
 
 
 async def test_captured_stream_with_a_hole_is_filled_by_the_captured_replay(
@@ -524,12 +532,16 @@ class PublishesWhileReplayIsAsked(BufferedEngine):
             self.replay_requests.append(start)
             if start and self.publish_on_probe:
                 self.publish_on_probe = False
+                await self._before_live_store()
                 await self.store(1)  # live, before the replay answer
                 await asyncio.sleep(0.2)  # ... on the shim's side well before it
             for f in self.sent:
                 if decode_pub_frames(f)[1] >= start:
                     await self.router.send_multipart([ident, b"", *f])
             await self.router.send_multipart([ident, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+
+    async def _before_live_store(self) -> None:
+        """Nothing here: the batch goes out as soon as the replay is asked for."""
 
 
 @pytest.mark.parametrize("pub_binds", [True, False], ids=["engine-binds", "engine-connects"])
@@ -542,38 +554,20 @@ async def test_a_batch_the_live_socket_delivered_while_a_probe_waited_is_live_no
     a second per shim (a replayed batch proves nothing of the live stream: event_health). A batch
     the live socket holds is live."""
     monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)
-    engine = PublishesWhileReplayIsAsked(pub_binds)
     batches: list[EngineBatch] = []
-    source = ZmqEventSource("vllm", engine.shim_endpoint, "auto", "kv-events", engine.replay_endpoint, "127.0.0.1")
-
-    async def sink(batch: EngineBatch) -> None:
-        batches.append(batch)
-
-    replay = asyncio.create_task(engine.serve_replay())
-    live = asyncio.Event()
-    run = asyncio.create_task(source.run(sink, live))
-    try:
-        await asyncio.wait_for(live.wait(), 5)
-        engine.connect_pub()
-        await wait_for(lambda: source._connections >= 1, 5, "SUB connected")
-        await asyncio.sleep(0.2)  # ZMQ subscriptions propagate after the connection event
-        engine.publish_on_probe = True
-        with caplog.at_level(logging.WARNING, logger=zmq_events.__name__):
-            await engine.store(1)  # seq 0 live; the quiet probe follows a second later, and seq 1 with it
-            await wait_for(lambda: source._last == 1, QUIET_PROBE_S + 3, "seq 1 delivered")
-            await asyncio.sleep(0.3)
-        assert engine.replay_requests == [0, 1]
-        stored = [b for b in batches if b.events]
-        assert [b.live for b in stored] == [True, True], "seq 1 came on the live socket"
-        assert not [r for r in caplog.records if "never delivered" in r.getMessage()]
-        assert source.stats.gaps == 0
-    finally:
-        run.cancel()
-        replay.cancel()
-        for t in (run, replay):
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        engine.close()
+    with contextlib.closing(PublishesWhileReplayIsAsked(pub_binds)) as engine:
+        async with running(engine, collector(batches)) as source:
+            await asyncio.sleep(0.2)  # ZMQ subscriptions propagate after the connection event
+            engine.publish_on_probe = True
+            with caplog.at_level(logging.WARNING, logger=zmq_events.__name__):
+                await engine.store(1)  # seq 0 live; the quiet probe follows a second later, and seq 1 with it
+                await wait_for(lambda: source._last == 1, QUIET_PROBE_S + 3, "seq 1 delivered")
+                await asyncio.sleep(0.3)
+            assert engine.replay_requests == [0, 1]
+            stored = [b for b in batches if b.events]
+            assert [b.live for b in stored] == [True, True], "seq 1 came on the live socket"
+            assert not [r for r in caplog.records if "never delivered" in r.getMessage()]
+            assert source.stats.gaps == 0
 
 
 @pytest.mark.parametrize("pub_binds", [True, False], ids=["engine-binds", "engine-connects"])
@@ -587,38 +581,20 @@ async def test_after_a_gap_the_batches_that_came_live_are_live_and_only_the_miss
     revealing batch and all that came live meanwhile."""
     monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)  # the gap is the live stream's to find here
     monkeypatch.setattr(zmq_events, "QUIET_PROBE_S", 60.0)
-    engine = PublishesWhileReplayIsAsked(pub_binds)
     batches: list[EngineBatch] = []
-    source = ZmqEventSource("vllm", engine.shim_endpoint, "auto", "kv-events", engine.replay_endpoint, "127.0.0.1")
-
-    async def sink(batch: EngineBatch) -> None:
-        batches.append(batch)
-
-    await engine.store(2, live=False)  # seq 0..1: the start's replay delivers them
-    replay = asyncio.create_task(engine.serve_replay())
-    live = asyncio.Event()
-    run = asyncio.create_task(source.run(sink, live))
-    try:
-        await asyncio.wait_for(live.wait(), 5)
-        engine.connect_pub()
-        await wait_for(lambda: source._connections >= 1, 5, "SUB connected")
-        await asyncio.sleep(0.2)  # ZMQ subscriptions propagate after the connection event
-        engine.publish_on_probe = True  # seq 5 goes out live while the gap's replay is asked for
-        await engine.store(1)  # seq 2 live
-        await engine.store(1, live=False)  # seq 3 lost on the way
-        await engine.store(1)  # seq 4 live: reveals the gap
-        await wait_for(lambda: source.stats.messages == 3, 5, "seq 2, 4 and 5 read live (5 a duplicate)")
-        assert engine.replay_requests == [0, 3]
-        stored = [b.live for b in batches if b.events]
-        assert stored == [False, False, True, False, True, True], "only seq 0, 1 (start) and 3 (the gap) replayed"
-        assert (source.stats.gaps, source.stats.duplicates, source.stats.replay_failures) == (1, 1, 0)
-    finally:
-        run.cancel()
-        replay.cancel()
-        for t in (run, replay):
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        engine.close()
+    with contextlib.closing(PublishesWhileReplayIsAsked(pub_binds)) as engine:
+        await engine.store(2, live=False)  # seq 0..1: the start's replay delivers them
+        async with running(engine, collector(batches)) as source:
+            await asyncio.sleep(0.2)  # ZMQ subscriptions propagate after the connection event
+            engine.publish_on_probe = True  # seq 5 goes out live while the gap's replay is asked for
+            await engine.store(1)  # seq 2 live
+            await engine.store(1, live=False)  # seq 3 lost on the way
+            await engine.store(1)  # seq 4 live: reveals the gap
+            await wait_for(lambda: source.stats.messages == 3, 5, "seq 2, 4 and 5 read live (5 a duplicate)")
+            assert engine.replay_requests == [0, 3]
+            stored = [b.live for b in batches if b.events]
+            assert stored == [False, False, True, False, True, True], "only seq 0, 1 (start) and 3 (the gap) replayed"
+            assert (source.stats.gaps, source.stats.duplicates, source.stats.replay_failures) == (1, 1, 0)
 
 
 class PublishesWhileReconnectReplayIsAsked(PublishesWhileReplayIsAsked):
@@ -628,20 +604,8 @@ class PublishesWhileReconnectReplayIsAsked(PublishesWhileReplayIsAsked):
 
     RELINK_TYPE = zmq.XPUB
 
-    async def serve_replay(self) -> None:
-        while True:
-            ident, _, seq_frame = await self.router.recv_multipart()
-            start = int.from_bytes(seq_frame, "big")
-            self.replay_requests.append(start)
-            if start and self.publish_on_probe:
-                self.publish_on_probe = False
-                assert await asyncio.wait_for(self.pub.recv(), 5) == b"\x01kv-events", "the new link's subscription"
-                await self.store(1)  # live, before the replay answer
-                await asyncio.sleep(0.2)  # ... on the shim's side well before it
-            for f in self.sent:
-                if decode_pub_frames(f)[1] >= start:
-                    await self.router.send_multipart([ident, b"", *f])
-            await self.router.send_multipart([ident, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+    async def _before_live_store(self) -> None:
+        assert await asyncio.wait_for(self.pub.recv(), 5) == b"\x01kv-events", "the new link's subscription"
 
 
 @pytest.mark.parametrize("pub_binds", [True, False], ids=["engine-binds", "engine-connects"])
@@ -655,35 +619,17 @@ async def test_after_a_reconnect_to_the_same_run_the_batches_the_new_link_brough
     every reconnection, by all that came live meanwhile."""
     monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)  # the reconnection's replay is the only one
     monkeypatch.setattr(zmq_events, "QUIET_PROBE_S", 60.0)
-    engine = PublishesWhileReconnectReplayIsAsked(pub_binds)
     batches: list[EngineBatch] = []
-    source = ZmqEventSource("vllm", engine.shim_endpoint, "auto", "kv-events", engine.replay_endpoint, "127.0.0.1")
-
-    async def sink(batch: EngineBatch) -> None:
-        batches.append(batch)
-
-    await engine.store(2, live=False)  # seq 0..1: the start's replay delivers them
-    replay = asyncio.create_task(engine.serve_replay())
-    live = asyncio.Event()
-    run = asyncio.create_task(source.run(sink, live))
-    try:
-        await asyncio.wait_for(live.wait(), 5)
-        engine.connect_pub()
-        await wait_for(lambda: source._connections >= 1, 5, "SUB connected")
-        engine.drop_link()  # a network blip; the engine runs on
-        await engine.store(1, live=False)  # seq 2 sent while the link was down
-        engine.publish_on_probe = True  # seq 3 goes out on the new link while the replay is asked for
-        await engine.link()
-        await wait_for(lambda: source.stats.messages == 1, 5, "seq 3 read live (a duplicate)")
-        assert (source.stats.reconnects, engine.replay_requests) == (1, [0, 1])
-        stored = [b.live for b in batches if b.events]
-        assert stored == [False, False, False, True], "only seq 0, 1 (start) and 2 (link down) replayed"
-        assert [b.reset for b in batches] == [True, False, False, False, False], "the run went on"
-        assert (source.stats.gaps, source.stats.duplicates, source.stats.replay_failures) == (0, 1, 0)
-    finally:
-        run.cancel()
-        replay.cancel()
-        for t in (run, replay):
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        engine.close()
+    with contextlib.closing(PublishesWhileReconnectReplayIsAsked(pub_binds)) as engine:
+        await engine.store(2, live=False)  # seq 0..1: the start's replay delivers them
+        async with running(engine, collector(batches)) as source:
+            engine.drop_link()  # a network blip; the engine runs on
+            await engine.store(1, live=False)  # seq 2 sent while the link was down
+            engine.publish_on_probe = True  # seq 3 goes out on the new link while the replay is asked for
+            await engine.link()
+            await wait_for(lambda: source.stats.messages == 1, 5, "seq 3 read live (a duplicate)")
+            assert (source.stats.reconnects, engine.replay_requests) == (1, [0, 1])
+            stored = [b.live for b in batches if b.events]
+            assert stored == [False, False, False, True], "only seq 0, 1 (start) and 2 (link down) replayed"
+            assert [b.reset for b in batches] == [True, False, False, False, False], "the run went on"
+            assert (source.stats.gaps, source.stats.duplicates, source.stats.replay_failures) == (0, 1, 0)
