@@ -6,11 +6,16 @@ request, a lease's keep-alive) wait unsent. On waking, the event loop runs the t
 it reads the socket, so a plain `asyncio.timeout` fires and blames etcd for the process's own
 stall (an audit of 2026-12-07: a router paused 6 s gave up three watches and its lease's stream,
 "no answer from etcd"). `answer_within` measures, on the monotonic loop clock, how late its own
-timer fires: one LATE_S or more past its time means the process was stalled through the deadline,
-so it says so and waits RECHECK_S more (the requests the stall held go out and are answered in a
-round trip), again after each such stall, and fails with TimeoutError only when it fires on time:
-etcd, not this process, did not answer. The same measure in `runtime.loop_watch` (LATE_S there) is
-the router's; discovery keeps its own, as it is used from below the router.
+timer fires: late by as much as could explain a missing answer (half the wait, at most LATE_S)
+means the process was stalled through the deadline, so it says so and waits RECHECK_S more (the
+requests the stall held go out and are answered in a round trip), again after each such stall,
+but no more than `seconds` in all, and never past `latest` (a lease's TTL, less a try on another
+member). A busy loop's lag (timers late by a step or two, 0.15-0.3 s) is no such stall: re-waiting
+for it with no limit kept a busy shim on a hung member past its lease's TTL (a review of
+2026-12-07: 150 ms steps, 8 re-waits, never given up). It fails with TimeoutError when its timer
+fires on time or its re-waits are spent: etcd, not this process, did not answer. The same measure
+in `runtime.loop_watch` is the router's; discovery keeps its own, as it is used from below the
+router.
 """
 
 from __future__ import annotations
@@ -18,22 +23,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 
 __all__ = ["LATE_S", "RECHECK_S", "answer_within"]
 
 log = logging.getLogger(__name__)
-LATE_S = 0.1  # a timer firing this late found the loop stalled (a busy loop runs them within ms)
+LATE_S = 0.5  # a timer this late (or half its wait) found the loop stalled, not busy: that lags a step
 RECHECK_S = 1.0  # after a stall: a request sent on waking, answered in a round trip
 
 
 @contextlib.asynccontextmanager
-async def answer_within(seconds: float, what: str) -> AsyncIterator[None]:
+async def answer_within(seconds: float, what: str, latest: float | None = None) -> AsyncIterator[None]:
     """TimeoutError when the block runs for `seconds` of this process's waking time: the deadline
-    moves on by RECHECK_S (at most `seconds`) each time its timer fires LATE_S or more late, with an
-    INFO line naming `what` waits and how long the process was stalled."""
+    moves on by RECHECK_S (at most `seconds`) each time its timer fires min(seconds / 2, LATE_S) or
+    more late, with an INFO line naming `what` waits and how long the process was stalled; by
+    `seconds` in all at most, and never past `latest` (the loop's clock) when given."""
     async with asyncio.timeout(None) as timeout:
-        deadline = _Deadline(timeout, seconds, what)
+        deadline = _Deadline(timeout, seconds, latest, what)
         try:
             yield
         finally:
@@ -41,26 +48,31 @@ async def answer_within(seconds: float, what: str) -> AsyncIterator[None]:
 
 
 class _Deadline:
-    def __init__(self, timeout: asyncio.Timeout, seconds: float, what: str) -> None:
+    def __init__(self, timeout: asyncio.Timeout, seconds: float, latest: float | None, what: str) -> None:
         self._loop = asyncio.get_running_loop()
         self._timeout = timeout
         self._what = what
         self._recheck = min(RECHECK_S, seconds)
+        self._late = min(seconds / 2, LATE_S)
+        self._spare = seconds  # re-waits left, in seconds
+        self._latest = math.inf if latest is None else latest
         self._due = self._loop.time() + seconds
         self.handle = self._loop.call_at(self._due, self._expire)
 
     def _expire(self) -> None:
         now = self._loop.time()
         late = now - self._due
-        if late < LATE_S:
+        wait = min(self._recheck, self._spare, self._latest - now)
+        if late < self._late or wait <= 0:
             self._timeout.reschedule(now)  # cancels the block now: TimeoutError
             return
         log.info(
-            "%s: this process was stalled %.1fs or more (not etcd): waiting %.1fs more for etcd's answer "
+            "%s: this process was stalled %.1fs or more (not etcd): waiting %.2fs more for etcd's answer "
             "before blaming it",
             self._what,
             late,
-            self._recheck,
+            wait,
         )
-        self._due = now + self._recheck
+        self._spare -= wait
+        self._due = now + wait
         self.handle = self._loop.call_at(self._due, self._expire)

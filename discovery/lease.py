@@ -186,8 +186,12 @@ class Lease:
             while True:
                 try:
                     # Not wait_for, which reads in a task of its own: cancelling that hung a stop.
-                    # A stall of this process is not etcd's (discovery.answer_deadline).
-                    async with answer_within(wait, f"lease {self.hex_id}"):
+                    # A stall of this process is not etcd's (discovery.answer_deadline), but its
+                    # re-waits end HURRY_S before the TTL, so another member still renews it; after
+                    # a give-up (etcd's silence said once), a new stream is the better bet: none.
+                    left = 0.0 if self._given_up else self.ttl - HURRY_S - self.unrenewed_s
+                    latest = asyncio.get_running_loop().time() + left
+                    async with answer_within(wait, f"lease {self.hex_id}", latest):
                         resp = await anext(answers)
                 except StopAsyncIteration:
                     return False

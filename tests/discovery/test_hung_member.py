@@ -181,6 +181,24 @@ async def test_a_lease_whose_etcd_answers_slowly_after_a_stall_still_renews_in_t
     await _renewed_in_time(itertools.chain([HUNG], itertools.repeat(0.35)), ttl=5)
 
 
+async def test_a_busy_shim_on_a_hung_member_still_renews_in_time() -> None:
+    # A busy loop (0.12 s synchronous steps back to back) runs each timer a step or two late: until
+    # 2026-12-07 that read as a stall of the process and the answer was waited for again and again,
+    # the lease kept on the hung member past its TTL (discovery.answer_deadline).
+
+    async def busy() -> None:
+        while True:
+            time.sleep(0.12)
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(busy())
+    try:
+        await _renewed_in_time([HUNG, 0.0], ttl=MIN_LEASE_TTL)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def _renewed_in_time(picks: Iterable[float], ttl: int) -> None:
     """A lease whose streams land on members answering as `picks` says (_KeepAlive's answer_after)
     is renewed within `ttl` of its start."""
