@@ -64,7 +64,7 @@ import enum
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -183,6 +183,17 @@ def taking_requests(pool: Iterable[WorkerStatus]) -> int:
     return routable or soft
 
 
+class StalledWithin(Protocol):
+    """runtime.loop_watch.LoopWatch.stalled_within's form: the seconds of the last `seconds` this
+    router's loop stood still, of the stalls before the latest one `older_at_most` at most."""
+
+    def __call__(self, seconds: float, *, older_at_most: float = ...) -> float: ...
+
+
+def _never_stalled(seconds: float, *, older_at_most: float = 0.0) -> float:
+    return 0.0
+
+
 class Eligibility:
     """Holds what is not derivable from the parts: registration times, unreachable marks and the
     router's tokenizer fingerprint. Everything else is read when asked."""
@@ -194,7 +205,7 @@ class Eligibility:
         sync_state: Callable[[str], tuple[str, str] | None],
         liveness: Callable[[str], Liveness | None],
         tokenizer: str | None,
-        stalled_within: Callable[[float], float] = lambda _seconds: 0.0,
+        stalled_within: StalledWithin | None = None,
         quarantined_for: Callable[[str], float | None] = lambda _worker: None,
         fleet_log: FleetLog | None = None,
         created: Callable[[str], int] = lambda _worker: 0,
@@ -202,8 +213,8 @@ class Eligibility:
         """`sync_state(worker)`: None when the index is synced with it, else (state, why).
         `liveness(worker)`: None before its first report. `tokenizer`: the router's fingerprint,
         None when it has no tokenizer (text prompts are then refused for every worker).
-        `stalled_within(s)`: seconds of the last `s` this router's loop stood still
-        (runtime.loop_watch): a worker is silent for no longer than the router was awake to hear it.
+        `stalled_within`: how long this router's loop stood still (runtime.loop_watch; never, when
+        None): a worker is silent for no longer than the router was awake to hear it.
         `quarantined_for(worker)`: the seconds its load reports are unheard for yet, sent past their
         budget (router.sender_subscriptions), None when they are heard. `fleet_log`: its router's
         (router.fleet_lines). `created(worker)`: its key's etcd create_revision
@@ -212,7 +223,7 @@ class Eligibility:
         self._clock = clock
         self._created = created
         self._standing = Standing(clock)  # each model's block size as last decided: a tie goes to it
-        self._stalled_within = stalled_within
+        self._stalled_within = stalled_within or _never_stalled
         self._sync_state = sync_state
         self._liveness = liveness
         self._quarantined_for = quarantined_for
@@ -358,13 +369,16 @@ class Eligibility:
     def _silent_now(self, w: str, live: Liveness | None, now: float) -> bool:
         """Nothing heard for SILENT_PERIODS of its period (DEFAULT_PERIOD_S before its first report),
         counted while this router was awake to hear it: the stalls of its own loop within the time
-        are taken off. A loop that stalls again and again (overload) still finds a dead worker, its
-        waking times adding up; one just woken reads none silent before it read its socket."""
+        are taken off, the latest in full (its reports may still be unread: one just woken reads
+        none silent before it read its socket), those before it one limit at most. A loop that
+        stalls again and again (overload) still finds a dead worker within twice the limit and its
+        latest stall; crediting them all, a loop stalled 0.9 s in each second kept a dead worker
+        routable for 30 s at a 3 s limit (a review of 2026-12-07)."""
         if live is None:
             age, limit = now - self._added.get(w, now), SILENT_PERIODS * DEFAULT_PERIOD_S
         else:
             age, limit = live.age_s, SILENT_PERIODS * live.period_s
-        return age > limit and age - self._stalled_within(age) > limit
+        return age > limit and age - self._stalled_within(age, older_at_most=limit) > limit
 
     def _status(self, info: WorkerInfo, now: float) -> WorkerStatus:
         # Runs for every worker on every request: the routable case allocates nothing but the result.

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
+import time
+
 import msgspec
 import pytest
 
 from protocol.messages import Role, WorkerInfo
 from router.eligibility import Eligibility, Exclusion, model_block_sizes
 from router.load_view import Liveness
+from runtime.loop_watch import LoopWatch
 
 MODEL = "m"
 
@@ -33,8 +38,11 @@ class World:
             stalled_within=self.stalled_within,
         )
 
-    def stalled_within(self, seconds: float) -> float:
-        return sum(max(0.0, min(b, self.now) - max(a, self.now - seconds)) for a, b in self.stalls)
+    def stalled_within(self, seconds: float, *, older_at_most: float = math.inf) -> float:
+        """As runtime.loop_watch says it: the latest stall in full, those before `older_at_most`."""
+        spans = [max(0.0, min(b, self.now) - max(a, self.now - seconds)) for a, b in self.stalls]
+        spans = [s for s in spans if s > 0]
+        return spans[-1] + min(sum(spans[:-1]), older_at_most) if spans else 0.0
 
     def wait(self, seconds: float, *, stalled: bool = False) -> None:
         """`seconds` pass, nothing heard; `stalled`: the router's loop stood still through them."""
@@ -118,17 +126,45 @@ def test_silence_counts_only_while_the_router_was_awake_to_hear_it(world: World)
 
 
 def test_a_loop_stalling_again_and_again_still_finds_a_dead_worker(world: World) -> None:
-    """Its waking times add up: 0.1 s awake in each 0.5 s, a worker heard from 16 cycles ago
-    (1.6 s awake, past its 1.5 s) is silent, one heard 14 cycles ago (1.4 s) is not."""
+    """0.1 s awake in each 0.5 s: of a report's age, the latest stall (0.4 s) is taken off in full
+    and those before it one limit (1.5 s) at most, so a worker heard from 7 cycles ago (3.5 s, less
+    1.9 s: 1.6 s, past its 1.5 s) is silent, one heard 6 cycles ago (3.0 s, 1.1 s) is not. Until
+    2026-12-07 all were taken off: silent only after 16 cycles (1.6 s awake), 8 s."""
     world.report("w1", age=0.0, period=0.5)
     world.report("w2", age=0.0, period=0.5)
-    for cycle in range(16):
-        if cycle == 2:
+    for cycle in range(7):
+        if cycle == 1:
             world.report("w2", age=0.0, period=0.5)
         world.wait(0.4, stalled=True)
         world.wait(0.1)
     assert world.status(info("w1"))[0] is Exclusion.SILENT
     assert world.status(info("w2"))[0] is None
+
+
+async def test_a_router_stalled_most_of_the_time_finds_a_dead_worker_within_twice_the_limit() -> None:
+    """The real loop watch, stalled 0.45 s in each 0.5 s (a review's schedule, 2026-12-07): a dead
+    worker at a 0.6 s limit is silent by twice the limit and the latest stall, 1.65 s, where
+    crediting every stall within its age kept it routable until 6 s (awake 0.6 s of it)."""
+    watch = LoopWatch("this router")
+    watch.start()
+    loop = asyncio.get_running_loop()
+    live: dict[str, Liveness] = {}
+    elig = Eligibility(
+        clock=loop.time, sync_state=lambda _w: None, liveness=live.get, tokenizer="builtin",
+        stalled_within=watch.stalled_within,
+    )  # fmt: skip
+    try:
+        await asyncio.sleep(0.3)
+        died = loop.time()  # its last report: period 0.2 s, so silent after 0.6 s
+        while (age := loop.time() - died) < 10.0:
+            live["w1"] = Liveness(age, 0.2, True, True, False)
+            if elig.statuses([info("w1")])[0].exclusion is Exclusion.SILENT:
+                break
+            time.sleep(0.45)
+            await asyncio.sleep(0.05)
+    finally:
+        await watch.stop()
+    assert 0.6 < age < 2 * 0.6 + 0.45 + 0.5  # a cycle late at most
 
 
 def test_unreachable_until_the_next_report(world: World) -> None:

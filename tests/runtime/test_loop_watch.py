@@ -61,6 +61,26 @@ async def test_the_time_stalled_within_a_span_counts_stalls_seen_and_unseen_and_
         await watch.stop()
 
 
+async def test_older_stalls_count_up_to_older_at_most_and_the_latest_in_full() -> None:
+    """router.eligibility's credit: of a dead worker's silence, only the latest stall may hide its
+    reports unread, so the stalls before it count up to a limit (a review of 2026-12-07)."""
+    watch = LoopWatch()
+    watch.start()
+    try:
+        await asyncio.sleep(0.2)
+        for _ in range(3):
+            time.sleep(0.3)
+            await asyncio.sleep(3 * TICK_S)
+        stalled = watch.stalled_within(10.0)
+        assert watch.stalls == 3 and 0.9 <= stalled <= 0.9 + 6 * TICK_S
+        assert 0.3 <= watch.stalled_within(10.0, older_at_most=0.0) <= 0.3 + 2 * TICK_S  # the latest alone
+        assert 0.3 + 0.2 <= watch.stalled_within(10.0, older_at_most=0.2) <= 0.3 + 2 * TICK_S + 0.2
+        time.sleep(0.4)  # a stall not yet seen is the latest: all three before it are older
+        assert 0.4 + 0.2 <= watch.stalled_within(10.0, older_at_most=0.2) <= 0.4 + 2 * TICK_S + 0.2
+    finally:
+        await watch.stop()
+
+
 async def test_a_stall_of_a_second_or_more_is_said_once_a_minute_naming_those_between(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
