@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Iterable
 from types import SimpleNamespace
@@ -593,13 +594,10 @@ async def test_a_router_behind_its_registered_fleet_says_it_once_and_agrees_agai
 
 
 async def test_a_fleet_of_twenty_stamped_behind_is_one_warning_about_this_routers_clock(
-    cluster: Cluster, nc: Client, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, nc: Client, etcd_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     await cluster.add_worker("agg")
     router = await cluster.add_ready_router()
-    # A stall of this loop within the reports' 5 s age (a loaded test host) is taken off it, and the
-    # figure said read 4.7 s (router.clock_skew): the fleet's verdict is what this test is about
-    monkeypatch.setattr(router.loop_watch, "stalled_within", lambda seconds, until=None: 0.0)
     caplog.set_level(logging.INFO, logger="router.service")
     fleet = [f"feed{i:04x}" for i in range(20)]
     prefix = subjects.workers_prefix(cluster.ns)
@@ -631,6 +629,9 @@ async def test_a_fleet_of_twenty_stamped_behind_is_one_warning_about_this_router
         for worker in fleet:
             await d.delete(prefix + worker)
     [warning] = said("this router's clock is probably off", level=logging.WARNING)
-    assert "5.0 s ahead of the fleet's: 20 of the 21 workers" in warning and "feed0000, feed0001" in warning
+    # A stall of this loop within the reports' 5 s age (a loaded test host) is taken off it
+    # (router.clock_skew): the figure said may read a little less than 5.0 s
+    assert re.search(r"(4\.[0-9]|5\.0) s ahead of the fleet's: 20 of the 21 workers", warning), warning
+    assert "feed0000, feed0001" in warning
     assert not said("keep router and worker hosts on NTP", level=logging.WARNING)  # no worker's: theirs are right
     assert not said("'s clock agrees with this router's again", level=logging.INFO)
