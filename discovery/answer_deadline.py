@@ -13,9 +13,9 @@ but no more than `seconds` in all, and never past `latest` (a lease's TTL, less 
 member). A busy loop's lag (timers late by a step or two, 0.15-0.3 s) is no such stall: re-waiting
 for it with no limit kept a busy shim on a hung member past its lease's TTL (a review of
 2026-12-07: 150 ms steps, 8 re-waits, never given up). It fails with TimeoutError when its timer
-fires on time or its re-waits are spent: etcd, not this process, did not answer. The same measure
-in `runtime.loop_watch` is the router's; discovery keeps its own, as it is used from below the
-router.
+fires on time or its re-waits are spent: etcd, not this process, did not answer. Its LATE_S is not
+`runtime.loop_watch`'s (0.1 s, a stall of the router's loop for its peers' silence): here a timer
+must be late by as much as could have kept an answer unread.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ load reports) misjudges after a stall of its own (a GC pause, a long synchronous
 messages that came meanwhile wait unread in the socket, and libuv runs due timers, and the tasks
 they wake, before it reads them. `LoopWatch` ticks every TICK_S; a tick that comes more than LATE_S
 late marks a stall, and `awake_for()` is the time since the last one ended (0 while a stall is
-still unseen: the watch has not ticked for longer than it should). A peer is silent for what the
-process could have heard: the lesser of its message's age and `awake_for()`.
+still unseen: the watch has not ticked for longer than it should). A leg waits for its worker's next
+chunk until the loop has been awake for its silence window (`awake_for`, router.leg); a report's
+age is read less the stalls within it (`stalled_within`, below).
 
 It keeps the spans of its stalls of the last STALLS_KEPT_S (from the last tick on time to the late
 one: at most one per TICK_S + LATE_S, so a few hundred), and `stalled_within(seconds)` says how long
