@@ -90,7 +90,7 @@ class LoopWatch:
     def stalled_within(self, seconds: float, until: float | None = None, *, older_at_most: float = math.inf) -> float:
         """Seconds this loop stood still within the `seconds` before `until` (its clock, loop.time();
         now when None), a stall not yet ticked included; of the stalls before the latest one there,
-        `older_at_most` at most. 0 when not started."""
+        the longest in full and the others `older_at_most` at most. 0 when not started."""
         loop = self._loop
         if loop is None:
             return 0.0
@@ -106,10 +106,17 @@ class LoopWatch:
             return latest
         older = self._sums[last] - self._sums[first] + self._ends[first] - self._starts[first]
         older -= max(0.0, start - self._starts[first]) + max(0.0, self._ends[last] - end)  # clipped
+        upto = last + 1  # the older stalls are first..upto-1
         if not latest:
             latest = min(self._ends[last], end) - max(self._starts[last], start)
             older -= latest
-        return latest + min(older, older_at_most)
+            upto = last
+        if older <= older_at_most:
+            return latest + older
+        # The longest is credited in full: a pause whose reports still wait unread is "older" once a
+        # burst of work on waking (planning the queued requests) outlasts a tick (review of c244125).
+        longest = max(min(self._ends[i], end) - max(self._starts[i], start) for i in range(first, upto))
+        return latest + longest + min(older - longest, older_at_most)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
