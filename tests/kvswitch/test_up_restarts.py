@@ -479,10 +479,11 @@ class _AlwaysRaising:
     probe = watch
 
 
-def test_rounds_that_keep_failing_are_said_once_then_counted_then_end_supervision_naming_the_fault(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    # Each failing round (every 0.5 s) logged a whole traceback, forever: 19 in 10 s, "supervised still"
+def _supervised_until_it_ends(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, health: _AlwaysRaising
+) -> str | None:
+    """`_supervise` with `health`, rounds half a second apart on a fake clock, its ERRORs captured:
+    the fault it ended with (None: stopped)."""
     monkeypatch.setattr(kvswitch.up, "WATCH_S", 0.001)
     now = [0.0]
 
@@ -492,10 +493,17 @@ def test_rounds_that_keep_failing_are_said_once_then_counted_then_end_supervisio
 
     async def supervise() -> str | None:
         faults = _RoundFaults(every_s=30.0, bound_s=60.0, clock=clock)
-        return await _supervise(_Cluster(), _AlwaysRaising(), asyncio.Event(), faults)  # type: ignore[arg-type]
+        return await _supervise(_Cluster(), health, asyncio.Event(), faults)  # type: ignore[arg-type]
 
     with caplog.at_level(logging.ERROR, logger="kvswitch.up"):
-        fault = asyncio.run(supervise())
+        return asyncio.run(supervise())
+
+
+def test_rounds_that_keep_failing_are_said_once_then_counted_then_end_supervision_naming_the_fault(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each failing round (every 0.5 s) logged a whole traceback, forever: 19 in 10 s, "supervised still"
+    fault = _supervised_until_it_ends(monkeypatch, caplog, _AlwaysRaising())
     assert fault == (
         "watching for exits and restarts failed for 60s, none working since, the last with KeyError: 'a fault no "
         "restart foresaw'"
@@ -602,19 +610,7 @@ def test_a_fault_whose_message_changes_each_round_is_one_fault_said_once_then_co
 ) -> None:
     # Review of d7e1f1e: keyed on its text, each round's was a new fault, a whole traceback every
     # 0.5 s (20 in 10 s), where the same fault again was promised at most every 30 s with a count
-    monkeypatch.setattr(kvswitch.up, "WATCH_S", 0.001)
-    now = [0.0]
-
-    def clock() -> float:  # half a second per round, as WATCH_S's
-        now[0] += 0.5
-        return now[0]
-
-    async def supervise() -> str | None:
-        faults = _RoundFaults(every_s=30.0, bound_s=60.0, clock=clock)
-        return await _supervise(_Cluster(), _ExitedAt(), asyncio.Event(), faults)  # type: ignore[arg-type]
-
-    with caplog.at_level(logging.ERROR, logger="kvswitch.up"):
-        fault = asyncio.run(supervise())
+    fault = _supervised_until_it_ends(monkeypatch, caplog, _ExitedAt())
     assert fault == (
         "watching for exits and restarts failed for 60s, none working since, the last with RuntimeError: child "
         "router-0 exited at t=60.5s"
