@@ -185,7 +185,8 @@ def taking_requests(pool: Iterable[WorkerStatus]) -> int:
 
 class StalledWithin(Protocol):
     """runtime.loop_watch.LoopWatch.stalled_within's form: the seconds of the last `seconds` this
-    router's loop stood still, of the stalls before the latest one `older_at_most` at most."""
+    router's loop stood still, the latest and the longest stall in full and the others
+    `older_at_most` at most."""
 
     def __call__(self, seconds: float, *, older_at_most: float = ...) -> float: ...
 
@@ -369,11 +370,12 @@ class Eligibility:
     def _silent_now(self, w: str, live: Liveness | None, now: float) -> bool:
         """Nothing heard for SILENT_PERIODS of its period (DEFAULT_PERIOD_S before its first report),
         counted while this router was awake to hear it: the stalls of its own loop within the time
-        are taken off, the latest in full (its reports may still be unread: one just woken reads
-        none silent before it read its socket), those before it one limit at most. A loop that
-        stalls again and again (overload) still finds a dead worker within twice the limit and its
-        latest stall; crediting them all, a loop stalled 0.9 s in each second kept a dead worker
-        routable for 30 s at a 3 s limit (a review of 2026-12-07)."""
+        are taken off, the latest and the longest in full (either may hold reports still unread:
+        one just woken reads none silent before it read its socket, nor one busy on waking past a
+        tick), the others one limit at most. A loop that stalls again and again (overload) still
+        finds a dead worker within twice the limit plus its latest and longest stalls; crediting
+        them all, a loop stalled 0.9 s in each second kept a dead worker routable for 30 s at a
+        3 s limit (reviews of 2026-12-07)."""
         if live is None:
             age, limit = now - self._added.get(w, now), SILENT_PERIODS * DEFAULT_PERIOD_S
         else:

@@ -13,10 +13,11 @@ It keeps the spans of its stalls of the last STALLS_KEPT_S (from the last tick o
 one: at most one per TICK_S + LATE_S, so a few hundred), and `stalled_within(seconds)` says how long
 the loop stood still in the last `seconds`, a stall still unseen included: of a message's age, the
 part it may have waited unread through a stall of ours (router.clock_skew credits it so);
-`older_at_most` caps what the stalls before the latest count (router.eligibility: of a dead
-worker's silence, only the latest stall may hide reports not yet read). A running sum of the time
-stalled beside the spans makes it a bisection, O(log n): it runs per request per silent worker,
-and walking the spans took 71 us with 400 of them (a review of 2026-12-07). Older stalls are
+`older_at_most` caps what the stalls besides the latest and the longest count (router.eligibility:
+of a dead worker's silence, those two may hide reports not yet read). A running sum of the time
+stalled beside the spans makes the total a bisection, O(log n): it runs per request per silent
+worker, and walking the spans in Python took 71 us with 400 of them (a review of 2026-12-07); past
+the cap the longest is one pass in C over the spans within the age. Older stalls are
 forgotten, bounding the memory; a message older than that is read as if it had come through them
 awake.
 
@@ -31,6 +32,7 @@ import asyncio
 import bisect
 import logging
 import math
+from operator import sub
 
 from runtime import background
 
@@ -111,11 +113,17 @@ class LoopWatch:
             latest = min(self._ends[last], end) - max(self._starts[last], start)
             older -= latest
             upto = last
-        if older <= older_at_most:
-            return latest + older
+        if older <= older_at_most or upto == first:  # upto == first: clipping's rounding, no older one
+            return latest + max(older, 0.0) if upto > first else latest
         # The longest is credited in full: a pause whose reports still wait unread is "older" once a
         # burst of work on waking (planning the queued requests) outlasts a tick (review of c244125).
-        longest = max(min(self._ends[i], end) - max(self._starts[i], start) for i in range(first, upto))
+        # Only the first and last may be clipped; the spans between are whole (map(sub) runs in C).
+        ends, starts = self._ends, self._starts
+        longest = max(
+            min(ends[first], end) - max(starts[first], start),
+            min(ends[upto - 1], end) - max(starts[upto - 1], start),
+            max(map(sub, ends[first + 1 : upto - 1], starts[first + 1 : upto - 1]), default=0.0),
+        )
         return latest + longest + min(older - longest, older_at_most)
 
     async def _run(self) -> None:

@@ -111,3 +111,19 @@ async def test_a_stall_of_a_second_or_more_is_said_once_a_minute_naming_those_be
         ), line
     finally:
         await watch.stop()
+
+
+class _Clock:
+    def time(self) -> float:
+        return 10.0
+
+
+def test_one_stall_clipped_by_until_with_no_older_credit_is_its_own_part() -> None:
+    # the clipping's rounding left the older total a hair over a cap of 0 with no older stall: the
+    # longest's max() ran over nothing and raised (a review of 2026-12-07)
+    watch = LoopWatch()
+    watch._loop, watch._ticked = _Clock(), 10.0  # type: ignore[assignment]  # ticked now: none unseen
+    start, end = 2.4798028269513908, 6.999628782304185
+    watch._starts, watch._ends, watch._sums = [start], [end], [end - start]
+    until = 4.16183472797762
+    assert watch.stalled_within(25.70739835284071, until, older_at_most=0.0) == pytest.approx(until - start)
