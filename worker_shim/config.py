@@ -202,10 +202,14 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError(name, value, _ENDPOINT_FORMS)
         if self.data_parallel_rank is not None:
             if self.engine != "vllm":
+                # SGLang's server info is checked for dp_size 1 at start (adapters/sglang.py says why)
+                way_out = (
+                    ": run SGLang with --dp-size 1, one server and shim per replica" if self.engine == "sglang" else ""
+                )
                 raise ConfigError(
                     "data_parallel_rank",
                     self.data_parallel_rank,
-                    f"only vLLM takes a rank per request, not {self.engine}",
+                    f"only vLLM takes a rank per request, not {self.engine}{way_out}",
                 )
             if self.data_parallel_rank < 0:
                 raise ConfigError("data_parallel_rank", self.data_parallel_rank, "must be >= 0")

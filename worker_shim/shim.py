@@ -732,8 +732,9 @@ class WorkerShim:
         """The limits the engine reports. A 5xx or no answer (its limits endpoint timed out or
         answered 503) fails the session, which is retried: taken as "no limits", one blip ended the
         shim asking for --block-size, or skipped the check of the flags given. A 404 is an engine
-        without the route (an SGLang without /get_server_info): it reports no limits, and the flags
-        stand in, as before; retried, the shim never registered. Any other refusal is the operator's."""
+        without the route (an agg shim's SGLang serving no server info): it reports no limits, and
+        the flags stand in, as before; retried, the shim never registered. Any other refusal is the
+        operator's."""
         try:
             return await self.adapter.limits()
         except EngineError as exc:

@@ -38,13 +38,20 @@ from worker_shim.normaliser import NormaliserStats
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "sglang"
 
 
-def test_signed_page_hashes_normalise_to_the_canonical_chain() -> None:
+def _replayed(fixture: str) -> list[set[int]]:
+    """The canonical hashes a normaliser holds after each batch of the fixture's PUB messages."""
     norm = Normaliser(4)
     states = []
-    for f in frames(FIX / "zmq_events_raw.jsonl"):
+    for f in frames(FIX / fixture):
         _, _, payload = decode_pub_frames(f)
         norm.apply(decode_payload(payload, "sglang"))
         states.append(norm.canonical_hashes())
+    assert norm.stats.unknown_parent == norm.stats.malformed == 0
+    return states
+
+
+def test_signed_page_hashes_normalise_to_the_canonical_chain() -> None:
+    states = _replayed("zmq_events_raw.jsonl")
     system = list(range(10, 18))
     q1 = block_hashes(system + list(range(50, 58)), 4)
     q2 = block_hashes(system + list(range(60, 64)), 4)
@@ -52,7 +59,20 @@ def test_signed_page_hashes_normalise_to_the_canonical_chain() -> None:
     assert states[2] == set(q1[:-1]) | set(q2)
     assert states[3] == set()
     assert states[4] == set(block_hashes([9, 9, 9, 9], 4))
-    assert norm.stats.unknown_parent == norm.stats.malformed == 0
+
+
+def test_block_stored_matches_sglangs_map_form() -> None:
+    """SGLang since PR #37482 (merged 2026-09) sends each event as a tagged msgpack map, merges a
+    radix node's consecutive pages into one BlockStored, and names `cache_salt` (and `session_id`)
+    on it: the same batches as the array fixture's hold the same blocks, and a salted chain is
+    salted as the router salts that cache_salt."""
+    maps = _replayed("zmq_events_map.jsonl")
+    assert maps[:5] == _replayed("zmq_events_raw.jsonl")
+    _, _, first = decode_pub_frames(frames(FIX / "zmq_events_map.jsonl")[0])
+    (system,) = decode_payload(first, "sglang")  # two pages, one event
+    assert isinstance(system, EngineStored) and len(system.hashes) == 2 and system.parent is None
+    salted = block_hashes(list(range(10, 18)), 4, salt=chain_salt(cache_salt="tenant-a"))
+    assert maps[5] == maps[4] | set(salted)
 
 
 SALT = "tenant-a"
@@ -142,7 +162,7 @@ def test_a_limit_that_is_no_positive_integer_is_the_engines_protocol_error_namin
     with pytest.raises(EngineError) as caught:
         limits_from_server_info(info)
     assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
-    assert f"/get_server_info {field} is {value!r}, not a positive integer" in caught.value.message
+    assert f"/server_info {field} is {value!r}, not a positive integer" in caught.value.message
 
 
 @pytest.mark.parametrize("value", ["8192", 8192.0, True, [8192]], ids=repr)
@@ -153,7 +173,7 @@ def test_a_chunked_prefill_size_that_is_no_integer_is_the_engines_protocol_error
     with pytest.raises(EngineError) as caught:
         limits_from_server_info(info)
     assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
-    assert f"/get_server_info chunked_prefill_size is {value!r}, not an integer" in caught.value.message
+    assert f"/server_info chunked_prefill_size is {value!r}, not an integer" in caught.value.message
 
 
 @pytest.mark.parametrize(("value", "budget"), [(-1, None), (0, None), (None, None), (4096, 4096)])
@@ -227,7 +247,7 @@ async def test_a_prefill_worker_tells_decode_engines_the_bootstrap_host_it_was_g
         adapter = SglangAdapter(config.validate())
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            adapter._say_loopback()
+            adapter._say_loopback(8998)
             outcome = await adapter.generate(leg, _ignore)
         await adapter.close()
         assert outcome.transfer_params is not None and outcome.transfer_params["bootstrap_host"] == host

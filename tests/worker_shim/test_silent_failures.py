@@ -678,7 +678,7 @@ async def test_load_series_lost_while_serving_leave_the_worker_registered_and_un
 async def test_a_404_for_the_limits_route_means_no_limits_reported_not_a_session_retried_forever(
     ns: str, nats_url: str, etcd_url: str
 ) -> None:
-    # An SGLang adapter before a server without /get_server_info (the sim has none): the 404 is
+    # An agg SGLang adapter before a server without server info (the sim has no /server_info): the 404 is
     # that engine version's, as /kv_event_sources' is an older vLLM's. Its /metrics is SGLang's:
     # the sim's own vLLM metrics make it a wrong --engine (tests/worker_shim/test_wrong_engine.py).
     sglang_metrics = (FIXTURES / "sglang/metrics.txt").read_bytes()

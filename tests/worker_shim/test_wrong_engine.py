@@ -140,7 +140,8 @@ async def test_each_adapter_takes_its_own_engines_payloads() -> None:
     assert (await _limits("trtllm", {"/metrics": TRTLLM})).block_size == 32
     assert (await _limits("trtllm", {"/metrics": b"[]"})).block_size is None  # no iteration yet
     assert (await _limits("sglang", {"/get_server_info": SERVER_INFO, "/metrics": SGLANG})).block_size is not None
-    # An SGLang without /get_server_info: its 404 stands (the flags stand in), whatever /metrics is.
+    # An SGLang serving neither /server_info nor /get_server_info: the agg shim's 404 stands (the flags
+    # stand in), whatever /metrics is.
     for metrics in (SGLANG, _without(SGLANG, b"sglang:"), 404, 503):
         with pytest.raises(EngineError) as err:
             await _limits("sglang", {"/metrics": metrics})

@@ -1,16 +1,25 @@
 """SGLang: ZMQ KV events (vLLM's transport and format), `sglang:` metrics, native /generate.
 
-- Events (python/sglang/srt/disaggregation/kv_events.py, mem_cache/kv_cache_event_mixin.py): one
-  `BlockStored` per page with `block_size` = page size, hashes a chained SHA-256 cut to a *signed*
-  int64 (`hash_str_to_int64`), the first page's parent is the last page of the parent radix node
-  (None under the root). Events use msgspec's positional array form. The vLLM decoder reads them;
-  signed hashes are just other opaque keys. A block of a request with `cache_salt` carries it in a
-  map after the positional fields (BlockStoredWithMetadata), which salts the chain as the router
-  salts such a prompt. Page size 1 (SGLang's default) makes every token a block: register with the
-  engine's page size, and expect a router to match per token. Its PUB binds `*`, `::` and
-  `0.0.0.0` endpoints (vLLM's connects to `0.0.0.0`); with a `snapshot_endpoint` the live topic
-  carries the publisher's epoch (both: zmq_events.py).
-- Limits from `GET /get_server_info`: `page_size`, `max_total_num_tokens` (capacity in tokens),
+- Events (python/sglang/srt/disaggregation/kv_events.py, mem_cache/kv_cache_event_mixin.py):
+  `BlockStored` with `block_size` = page size, hashes a chained SHA-256 cut to a *signed* int64
+  (`hash_str_to_int64`), the first page's parent is the last page of the parent radix node (None
+  under the root). Two wire forms, both read by the vLLM decoder (signed hashes are just other
+  opaque keys): before sglang PR #37482 (merged 2026-09) positional arrays, one event per page, a
+  salted request's `cache_salt` in a map after the positional fields (BlockStoredWithMetadata);
+  since, tagged msgpack maps (`{"type": "BlockStored", "block_hashes": ...}`), consecutive pages
+  merged into one event, `cache_salt` (and `session_id`, unused here) a field of BlockStored. The
+  salt salts the chain as the router salts such a prompt. Page size 1 (SGLang's default) makes
+  every token a block: register with the engine's page size, and expect a router to match per
+  token. Its PUB binds `*`, `::` and `0.0.0.0` endpoints (vLLM's connects to `0.0.0.0`); with a
+  `snapshot_endpoint` the live topic carries the publisher's epoch (both: zmq_events.py).
+- Server info: `GET /server_info`, else `/get_server_info` (its deprecated alias, sglang PR #14533;
+  an older SGLang has that alone): server args plus scheduler info. Checked at every session's
+  start (ConfigError, the shim exits): `dp_size` 1 (each data-parallel rank keeps its own cache
+  and publishes on its own port, endpoint + rank, and SGLang spreads requests over the ranks: one
+  shim would hear rank 0 alone), `disaggregation_mode` the role's (null for agg: a P/D engine
+  serves only requests with a bootstrap room, and a plain one ignores the bootstrap fields), and a
+  prefill role's `disaggregation_bootstrap_port` reported (what decode engines are told).
+- Limits from the server info: `page_size`, `max_total_num_tokens` (capacity in tokens),
   `chunked_prefill_size` (the per-step prefill budget). Load from /metrics:
   `sglang:num_running_reqs`, `sglang:num_queue_reqs`, and KV use as `sglang:num_used_tokens` over
   `max_total_num_tokens`. SGLang rounds its own `sglang:token_usage` to two decimals: 1% of an
@@ -48,7 +57,7 @@ from typing import Any, ClassVar
 import aiohttp
 import msgspec
 
-from protocol import Usage
+from protocol import ConfigError, Usage
 from protocol.messages import ENDPOINT_CHAT
 from worker_shim.adapters.base import (
     EngineError,
@@ -62,13 +71,16 @@ from worker_shim.adapters.base import (
 from worker_shim.adapters.http_engine import PROBE_TIMEOUT
 from worker_shim.adapters.openai_http import ENDPOINT_PATHS, error_from, pass_through_body, post_completion
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
-from worker_shim.config import ShimConfig
+from worker_shim.config import ShimConfig, ShimRole
 from worker_shim.engine_kind import check_engine_kind
 from worker_shim.prom_text import as_count, mean_samples, parse_samples, repeated_series, sum_samples
 
 __all__ = [
+    "SERVER_INFO_PATHS",
     "SglangAdapter",
     "StreamFolder",
+    "bootstrap_port_from_server_info",
+    "check_server_info",
     "generate_body",
     "limits_from_server_info",
     "load_from_metrics",
@@ -79,25 +91,29 @@ log = logging.getLogger(__name__)
 _LOAD = ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage")
 _USED = "sglang:num_used_tokens"
 _METRICS = frozenset({*_LOAD, _USED})
-DEFAULT_BOOTSTRAP_PORT = 8998
+# The canonical route first; then its deprecated alias, all an SGLang before PR #14533 serves.
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+# server_args.disaggregation_mode for each --role ("null": no P/D).
+_MODE_OF_ROLE: dict[str, str] = {"agg": "null", "prefill": "prefill", "decode": "decode"}
+_ROLE_OF_MODE = {mode: role for role, mode in _MODE_OF_ROLE.items()}
 # SGLang's own (disaggregation/utils.py): a P/D request bootstrapped from this host moves no KV
 # (a fake sender or receiver); its /health generates its one token so on a prefill or decode server.
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
 
-def limits_from_server_info(info: dict[str, Any]) -> EngineLimits:
-    """EngineError naming `page_size` or `max_total_num_tokens` when either is there but no positive
-    integer (engine_limit): until 2026-12-07 True registered a block size of 1, 0 or a negative
-    crashed the normaliser with a ValueError, and a string was read as not reported. So does a
-    `chunked_prefill_size` that is no integer (it was read as not reported), and a
-    `max_total_num_tokens` below `page_size` (it registered 0 blocks)."""
-    page = engine_limit(info.get("page_size"), "/get_server_info page_size")
-    tokens = engine_limit(info.get("max_total_num_tokens"), "/get_server_info max_total_num_tokens")
+def limits_from_server_info(info: dict[str, Any], path: str = SERVER_INFO_PATHS[0]) -> EngineLimits:
+    """EngineError naming `page_size` or `max_total_num_tokens` (as read on `path`) when either is
+    there but no positive integer (engine_limit): until 2026-12-07 True registered a block size of
+    1, 0 or a negative crashed the normaliser with a ValueError, and a string was read as not
+    reported. So does a `chunked_prefill_size` that is no integer (it was read as not reported),
+    and a `max_total_num_tokens` below `page_size` (it registered 0 blocks)."""
+    page = engine_limit(info.get("page_size"), f"{path} page_size")
+    tokens = engine_limit(info.get("max_total_num_tokens"), f"{path} max_total_num_tokens")
     if tokens is not None and page is not None and tokens < page:
         raise EngineError(
             502,
             "engine_protocol",
-            f"the engine's /get_server_info max_total_num_tokens is {tokens}, below its page_size {page}: "
+            f"the engine's {path} max_total_num_tokens is {tokens}, below its page_size {page}: "
             "no room for one block, so it can serve nothing",
         )
     # -1 (or any integer <= 0, as SGLang's scheduler reads it): chunked prefill off, no per-step budget.
@@ -106,8 +122,7 @@ def limits_from_server_info(info: dict[str, Any]) -> EngineLimits:
         raise EngineError(
             502,
             "engine_protocol",
-            f"the engine's /get_server_info chunked_prefill_size is {budget!r}, not an integer "
-            "(-1 or 0: chunked prefill off)",
+            f"the engine's {path} chunked_prefill_size is {budget!r}, not an integer (-1 or 0: chunked prefill off)",
         )
     # The server's args: --disable-radix-cache (common on P/D decode workers) caches and publishes nothing.
     radix_off = info.get("disable_radix_cache")
@@ -117,6 +132,77 @@ def limits_from_server_info(info: dict[str, Any]) -> EngineLimits:
         max_num_batched_tokens=budget if budget is not None and budget > 0 else None,
         prefix_caching=not radix_off if isinstance(radix_off, bool) else None,
     )
+
+
+def check_server_info(info: dict[str, Any], path: str, role: ShimRole, url: str) -> None:
+    """ConfigError where the engine at `url` is one this shim cannot serve in `role`, as its server
+    info (read on `path`) says; EngineError (502 `engine_protocol`) naming a field that is no value
+    SGLang gives it. Until 2026-12-07 neither was read:
+    - `dp_size` > 1: each data-parallel rank keeps a cache of its own and publishes its KV events on
+      the endpoint's port + rank (disaggregation/kv_events.py), and SGLang spreads requests over
+      the ranks, so the shim heard rank 0 alone and routers credited rank 0's prefixes to requests
+      any rank served. Refused rather than served a rank per shim: pinning legs (`routed_dp_rank`)
+      would leave the load, capacity, probes and P/D bootstrap (the prefill rank a decode engine
+      pulls from) still the whole server's;
+    - `disaggregation_mode` other than the role's: a prefill or decode engine cannot serve a
+      request without a bootstrap room (a decode waits for a prefill peer that never comes; the
+      data-parallel controller asserts one), so a shim without --role sent it every request, its
+      own alive probe too; and a plain engine ignores the bootstrap fields, so a P/D role on one
+      paired nothing. An info without the field is an SGLang before P/D: it serves --role agg only."""
+    dp = engine_limit(info.get("dp_size"), f"{path} dp_size")
+    if dp is not None and dp > 1:
+        raise ConfigError(
+            "engine_url",
+            url,
+            f"the SGLang engine there reports dp_size {dp} on {path}: its {dp} data-parallel ranks each keep a "
+            "cache of their own and publish KV events on a port of their own (the endpoint's + rank), and SGLang "
+            "spreads requests over them, so one shim would index rank 0's cache as the whole server's. Run SGLang "
+            "with --dp-size 1 (the default): one server per replica, each with a shim of its own, and the routers "
+            "balance over them",
+        )
+    mode = info.get("disaggregation_mode")
+    if mode is not None and mode not in _ROLE_OF_MODE:
+        raise EngineError(
+            502,
+            "engine_protocol",
+            f"the engine's {path} disaggregation_mode is {mode!r}, not one of {', '.join(_ROLE_OF_MODE)}",
+        )
+    want = _MODE_OF_ROLE[role]
+    if mode == want or (mode is None and role == "agg"):
+        return
+    started = "without --disaggregation-mode" if want == "null" else f"with --disaggregation-mode {want}"
+    if mode is None:
+        why = (
+            f"the SGLang engine at {url} reports no disaggregation_mode on {path}: an SGLang without P/D, "
+            f"which serves --role agg only; point --engine-url at an engine started {started}"
+        )
+    else:
+        why = (
+            f"the SGLang engine at {url} runs disaggregation_mode {mode!r} (its {path}): give --role "
+            f"{_ROLE_OF_MODE[mode]}, or point --engine-url at an engine started {started}"
+        )
+    raise ConfigError("role", role, why)
+
+
+def bootstrap_port_from_server_info(info: dict[str, Any], path: str, role: ShimRole, url: str) -> int | None:
+    """The engine's `disaggregation_bootstrap_port`, where decode engines reach a prefill engine's
+    bootstrap server; EngineError (502 `engine_protocol`) when it is there but no port. A prefill
+    role's engine must report it (ConfigError otherwise): until 2026-12-07 the shim then told
+    decode engines SGLang's default, 8998, whatever port the engine listened on."""
+    port = info.get("disaggregation_bootstrap_port")
+    if port is not None and (type(port) is not int or not 0 < port < 65536):  # int() raised ValueError
+        raise EngineError(
+            502, "engine_protocol", f"the engine's {path} disaggregation_bootstrap_port is {port!r}, not a port"
+        )
+    if port is None and role == "prefill":
+        raise ConfigError(
+            "role",
+            role,
+            f"the SGLang engine at {url} reports no disaggregation_bootstrap_port on {path}, so decode engines "
+            "cannot be told where its bootstrap server listens: point --engine-url at the prefill engine's own "
+            "HTTP server (an SGLang reports the port among its server args)",
+        )
+    return port
 
 
 def load_from_metrics(text: str, kv_total_blocks: int | None, kv_total_tokens: int | None = None) -> EngineLoad:
@@ -315,7 +401,7 @@ class SglangAdapter(ZmqEventsAdapter):
         super().__init__(config)
         self._kv_total: int | None = None
         self._kv_tokens: int | None = None
-        self._bootstrap_port = DEFAULT_BOOTSTRAP_PORT
+        self._bootstrap_port: int | None = None  # the engine's, from its server info (limits)
         self._said_loopback = False
         self._background: set[asyncio.Task[None]] = set()
 
@@ -330,7 +416,7 @@ class SglangAdapter(ZmqEventsAdapter):
         so the shim's own way to the engine (often 127.0.0.1) is no answer unless told."""
         return self.config.bootstrap_host or self.config.engine_host
 
-    def _say_loopback(self) -> None:
+    def _say_loopback(self, port: int) -> None:
         if self.config.role != "prefill" or self._said_loopback:
             return
         host = self.bootstrap_host
@@ -344,7 +430,7 @@ class SglangAdapter(ZmqEventsAdapter):
                 "SGLang prefill worker: decode engines are told to reach its bootstrap server at %s:%d, "
                 "which only an engine on this host can; give --bootstrap-host the address other hosts reach",
                 host,
-                self._bootstrap_port,
+                port,
             )
 
     def alive_transfer(self) -> dict[str, Any] | None:
@@ -356,26 +442,47 @@ class SglangAdapter(ZmqEventsAdapter):
         return {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": 0}
 
     async def limits(self) -> EngineLimits:
-        try:
-            raw = await self.fetch("/get_server_info")
-        except EngineError as exc:
-            if exc.code == 404:  # an SGLang without the route, or no SGLang: its /metrics tells
-                await self._check_kind()
-            raise
-        info = msgspec.json.decode(raw)
-        if not isinstance(info, dict):
-            return EngineLimits()
-        port = info.get("disaggregation_bootstrap_port") or DEFAULT_BOOTSTRAP_PORT
-        if type(port) is not int or not 0 < port < 65536:  # int() raised ValueError: no named field
-            raise EngineError(
-                502, "engine_protocol", f"the engine's disaggregation_bootstrap_port is {port!r}, not a port"
-            )
-        self._bootstrap_port = port
-        self._say_loopback()
-        limits = limits_from_server_info(info)
+        """The server info's limits, once the engine is shown to be one this shim can serve
+        (check_server_info, and a prefill engine's bootstrap port)."""
+        info, path = await self._server_info()
+        c = self.config
+        check_server_info(info, path, c.role, c.engine_url)
+        self._bootstrap_port = port = bootstrap_port_from_server_info(info, path, c.role, c.engine_url)
+        if port is not None:
+            self._say_loopback(port)
+        limits = limits_from_server_info(info, path)
         self._kv_total = limits.kv_total_blocks
         self._kv_tokens = info.get("max_total_num_tokens")  # None or a positive integer: checked just now
         return limits
+
+    async def _server_info(self) -> tuple[dict[str, Any], str]:
+        """The engine's server info and the path that served it (SERVER_INFO_PATHS in turn). Where
+        none does: a ConfigError for another kind of engine (its /metrics tells), or for a P/D role,
+        whose engine's mode and bootstrap port cannot be read then; else the 404 (no limits
+        reported: the flags stand in). An answer that is no JSON object is the engine's protocol
+        error: until 2026-12-07 it read as no limits reported."""
+        for path in SERVER_INFO_PATHS:
+            try:
+                raw = await self.fetch(path)
+            except EngineError as exc:
+                if exc.code == 404:
+                    continue
+                raise
+            try:
+                return _object(msgspec.json.decode(raw), f"the engine's {path}"), path
+            except msgspec.DecodeError as exc:
+                raise EngineError(502, "engine_protocol", f"the engine's {path} is no JSON: {exc}") from exc
+        await self._check_kind()
+        neither = f"{self.base} serves neither {' nor '.join(SERVER_INFO_PATHS)}"
+        role = self.config.role
+        if role != "agg":
+            unread = "its P/D mode and bootstrap port" if role == "prefill" else "its P/D mode"
+            raise ConfigError(
+                "role",
+                role,
+                f"{neither}, so {unread} cannot be read: point --engine-url at the SGLang engine's own HTTP server",
+            )
+        raise EngineError(404, "engine_error", neither)
 
     async def _check_kind(self) -> None:
         """ConfigError when /metrics is another kind of engine's (a vLLM's `vllm:` series); an
