@@ -50,17 +50,20 @@ from typing import BinaryIO
 from kvswitch.etcd_auth import EtcdAuthError, EtcdGateway, b64, enable_auth, namespace_users
 from kvswitch.nats_auth import NatsAuthPlan
 from kvswitch.servers import (
+    PORT_DRAWS,
     PROBE_ERRORS,
     ControlPlaneTls,
     EtcdCluster,
     EtcdServer,
     NatsCluster,
     NatsServer,
+    PortTaken,
     ServerError,
     dying_with_parent,
     free_ports,
     open_log,
     port_holders,
+    port_taken,
 )
 from protocol import subjects
 from protocol.messages import RouterInfo, decode_json
@@ -71,9 +74,6 @@ __all__ = ["STOP_GRACE_S", "ClusterSpec", "LocalCluster", "RestartPolicy"]
 
 POOLS = ("prefill", "decode", "agg")
 STOP_GRACE_S = 35.0  # per tier of children at stop: the shim drains for 30 s at most
-# Draws of the sims' ports: a port free when drawn can be bound by another process (a parallel
-# test worker's server) before a sim binds it, and the sim then exits "address already in use".
-PORT_DRAWS = 3
 # What a start of a process may fail with: its log or store cannot be written, its binary is gone,
 # fork failed (EAGAIN, ENOMEM), or a server's own refusal.
 _START_ERRORS = (OSError, subprocess.SubprocessError, ServerError)
@@ -146,7 +146,8 @@ class ClusterSpec:
         """The ports `LocalCluster.start` draws, all in one run of consecutive free ports: (the
         workers' (3 each) and the routers' without `http_port`, NATS's and etcd's: a monitor port per
         NATS node, a route port per node of a cluster, a peer port per etcd member, and a client port
-        each without `nats_port` or `etcd_port`)."""
+        each without `nats_port` or `etcd_port`). One of them another process binds before its server
+        or sim does is drawn again outside this run (kvswitch.servers.port_taken)."""
         n, m = self.nats_nodes, self.etcd_members
         servers = n + (n if n > 1 else 0) + (0 if self.nats_port else n) + m + (0 if self.etcd_port else m)
         workers = 3 * sum(getattr(self, role) for role in POOLS)
@@ -289,8 +290,9 @@ class LocalCluster:
             authorization=authorization,
             logs=nats_logs,
             draw=draw,
+            avoid=self._flagged_ports(),
         )
-        self.nats.start()
+        _start_flagged(self.nats, "--nats-port", spec.nats_port)
         self.etcd = EtcdCluster(
             spec.etcd_members,
             port=spec.etcd_port or None,
@@ -298,8 +300,9 @@ class LocalCluster:
             peer_tls=tls.etcd_peer if tls else None,
             logs=etcd_logs,
             draw=draw,
+            avoid=self._flagged_ports(),
         )
-        self.etcd.start()
+        _start_flagged(self.etcd, "--etcd-port", spec.etcd_port)
         if spec.etcd_auth:
             self._etcd_passwords = {role: secrets.token_urlsafe(24) for role in ("root", "router", "worker")}
             users = namespace_users(spec.namespace, self._etcd_passwords["router"], self._etcd_passwords["worker"])
@@ -328,7 +331,7 @@ class LocalCluster:
                     base = self._start_pools(base)
                     break
                 except ServerError as exc:
-                    if "address already in use" not in str(exc).lower() or draw == PORT_DRAWS:  # the sim: "Address ..."
+                    if not port_taken(str(exc)) or draw == PORT_DRAWS:  # as a server's (kvswitch.servers)
                         raise
                     log.warning(
                         "a sim's port was taken before it bound it: drawing others (%d of %d)", draw, PORT_DRAWS
@@ -767,6 +770,22 @@ class LocalCluster:
         if dead:
             parts.append("dead=" + ",".join(dead))
         return "health: " + " ".join(parts), all(nats) and all(etcd) and not dead and not restarting
+
+
+def _start_flagged(servers: NatsCluster | EtcdCluster, flag: str, first: int) -> None:
+    """Start `servers`, whose client ports `flag` asks for from `first` (0: drawn): one of those taken
+    by another process since `kvswitch up` found it free is never drawn again (kvswitch.servers
+    draws again only what it drew), and the refusal names the flag."""
+    try:
+        servers.start()
+    except PortTaken as exc:
+        asked = [p for p in exc.ports if first and first <= p < first + servers.size]
+        if not asked:
+            raise
+        raise ServerError(
+            f"{flag} {first}: port {asked[0]} was taken by another process before {servers.name} bound it ({exc}): "
+            f"choose another {flag}, or 0 for free ones"
+        ) from None
 
 
 def _answers(url: str) -> bool:

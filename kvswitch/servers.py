@@ -3,10 +3,11 @@
 certificates, NATS authorization when given a generated block (kvswitch.nats_auth) and etcd
 users when asked (kvswitch.etcd_auth).
 
-Each server binds 127.0.0.1 on free ports with a temporary store. Ready means its health endpoint
-answers (nats `/healthz`, etcd `/health`), not merely an open port: etcd 3.4 accepts connections
-well before it can serve. Stop sends SIGTERM, waits, then kills; `kill()` is SIGKILL, for failure
-tests. Children get PR_SET_PDEATHSIG, so a parent that dies without stopping them does not leave
+Each server binds 127.0.0.1 on free ports with a temporary store; a port it drew that another
+process binds first is drawn again before `start` returns (`_Server.start`, `_Cluster`). Ready
+means its health endpoint answers (nats `/healthz`, etcd `/health`), not merely an open port: etcd
+3.4 accepts connections well before it can serve. Stop sends SIGTERM, waits, then kills; `kill()`
+is SIGKILL, for failure tests. Children get PR_SET_PDEATHSIG, so a parent that dies without stopping them does not leave
 servers behind (Linux only); start them from the main thread (or one that lives as long), since
 the signal follows the starting thread. Each runs in a session of its own: a terminal's Ctrl-C
 (SIGINT to its whole foreground process group) reaches only the parent, which stops them in order.
@@ -50,12 +51,14 @@ from cryptography.x509.oid import NameOID
 __all__ = [
     "FREE_PORTS_ENV",
     "PORTS_DIR_ENV",
+    "PORT_DRAWS",
     "PROBE_ERRORS",
     "ControlPlaneTls",
     "EtcdCluster",
     "EtcdServer",
     "NatsCluster",
     "NatsServer",
+    "PortTaken",
     "ServerError",
     "TlsFiles",
     "die_with_parent",
@@ -68,6 +71,7 @@ __all__ = [
     "open_log",
     "port_holders",
     "port_range",
+    "port_taken",
     "socket_inodes",
     "symlinked",
 ]
@@ -80,6 +84,26 @@ log = logging.getLogger("kvswitch.servers")
 
 class ServerError(RuntimeError):
     """A server could not be found, started or made healthy."""
+
+
+class PortTaken(ServerError):
+    """A server exited at its start because another process held `ports` of its."""
+
+    def __init__(self, message: str, ports: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ports = list(ports)
+
+
+# Draws of ports taken between their draw and their bind: a port free when drawn can be bound by
+# another process (a parallel test worker's server) before its server or sim binds it.
+PORT_DRAWS = 3
+
+
+def port_taken(output: str) -> bool:
+    """Whether a process's output says a port it was to bind is another's: the one rule by which a
+    port drawn free is drawn again (nats-server's and etcd's Go error, `listen tcp 127.0.0.1:P: bind:
+    address already in use`; a sim's Python and ZeroMQ ones)."""
+    return "address already in use" in output.lower()
 
 
 def _ephemeral_low() -> int:
@@ -440,6 +464,9 @@ def _is_held(path: Path, fd: int) -> bool:
 
 class _Server:
     name = "server"
+    # Its port attributes it drew itself (none given it): drawn again when another process takes one
+    # before it binds it, until it first serves (`start`); a port given it is never drawn again.
+    _drawn: tuple[str, ...] = ()
 
     def __init__(self, workdir: Path | None, log: Path | None = None) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix=f"kvswitch-{self.name}-")) if workdir is None else workdir
@@ -452,6 +479,7 @@ class _Server:
         self._served = False  # healthy once: its store holds what a restart must keep
         # Its output, in its store unless given a path that outlives it (`kvswitch up --log-dir`).
         self._log_path = log or self.workdir / f"{self.name}.log"
+        self._launched_at = 0  # its log's length when it was last launched: what it said since follows
 
     def _argv(self) -> list[str]:
         raise NotImplementedError
@@ -468,12 +496,24 @@ class _Server:
         raise NotImplementedError
 
     def start(self, timeout: float = 20.0) -> Self:
-        """Launch it and wait until healthy. One that fails before it ever served leaves nothing: its
-        process is killed and its temporary store removed (a `kvswitch-nats-*` per failed start
-        piled up in $TMPDIR: the caller, given an exception, has no server to close)."""
+        """Launch it and wait until healthy. A port it drew that another process took before it bound
+        it (`port_taken`) is drawn again and it is launched again, up to PORT_DRAWS draws in all, until
+        it first serves: its ports are final once this returns. One that fails before it ever served
+        leaves nothing: its process is killed and its temporary store removed (a `kvswitch-nats-*` per
+        failed start piled up in $TMPDIR: the caller, given an exception, has no server to close)."""
         try:
-            self.launch()
-            return self.wait_healthy(timeout)
+            draw = 1
+            while True:
+                try:
+                    self.launch()
+                    return self.wait_healthy(timeout)
+                except PortTaken as exc:
+                    if self._served or not _draws_again(exc, [getattr(self, name) for name in self._drawn], draw):
+                        raise
+                    draw += 1
+                    for name in self._drawn:
+                        setattr(self, name, free_port())
+                    _log_redraw(self.name, exc.ports, self.ports(), draw)
         except BaseException:
             if not self._served:  # a store a server ran on is kept for its restart
                 self.close(now=True)
@@ -494,6 +534,7 @@ class _Server:
         except OSError as exc:
             raise ServerError(f"{self.name}: cannot write its log {self._log_path}: {exc.strerror or exc}") from None
         try:
+            self._launched_at = os.fstat(out.fileno()).st_size
             argv, preexec = dying_with_parent(self._argv())
             self.proc = subprocess.Popen(
                 argv,
@@ -520,17 +561,21 @@ class _Server:
             )
 
     def wait_healthy(self, timeout: float = 20.0) -> Self:
+        _wait_healthy([self], timeout)
+        return self
+
+    def _ready(self) -> bool:
+        """Whether it is healthy now; a ServerError (PortTaken when its output says another process
+        held ports of its) once it exited."""
         assert self.proc is not None, "launch() first"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerError(f"{self.name} exited with {self.proc.returncode}: {self._held()}{self.log_tail()}")
-            if self.healthy():
-                self._served = True
-                return self
-            time.sleep(0.05)
-        self.stop()
-        raise ServerError(f"{self.name} not healthy after {timeout:.0f}s: {self.log_tail()}")
+        if self.proc.poll() is not None:
+            said = f"{self.name} exited with {self.proc.returncode}: {self._held()}{self.log_tail()}"
+            taken = self.taken_ports()
+            raise PortTaken(said, taken) if taken else ServerError(said)
+        if self.healthy():
+            self._served = True
+            return True
+        return False
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.proc = self.proc, None
@@ -571,6 +616,19 @@ class _Server:
         """Which of its ports another process listens on, for a server that exited at its start."""
         return "".join(f"{held}; " for held in port_holders(self.ports()))
 
+    def taken_ports(self) -> list[int]:
+        """Its ports that its output since its last launch says another process held when it bound
+        them (`port_taken`); an appended log's older runs named ports of their own."""
+        try:
+            with self._log_path.open("rb") as out:
+                out.seek(self._launched_at)
+                output = out.read().decode(errors="replace")
+        except OSError:
+            return []
+        said = [line for line in output.splitlines() if port_taken(line)]
+        named = {int(port) for line in said for port in re.findall(r"127\.0\.0\.1:(\d+)", line)}
+        return [port for port in self.ports() if port in named]
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
@@ -586,6 +644,35 @@ class _Server:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def _wait_healthy(servers: Sequence[_Server], timeout: float) -> None:
+    """Until every one of `servers` is healthy; a ServerError as soon as one exits, not after the
+    others' wait: an etcd member is healthy only with a quorum, which one gone may never make."""
+    deadline = time.monotonic() + timeout
+    waiting = list(servers)
+    while time.monotonic() < deadline:
+        waiting = [server for server in waiting if not server._ready()]
+        if not waiting:
+            return
+        time.sleep(0.05)
+    for server in waiting:
+        server.stop()
+    raise ServerError(f"{waiting[0].name} not healthy after {timeout:.0f}s: {waiting[0].log_tail()}")
+
+
+def _draws_again(exc: PortTaken, drawn: Collection[int], draw: int) -> bool:
+    """Whether a start that failed with `exc`, at its `draw`-th draw, draws its ports again: every port
+    its output says another process took is one it drew (one given it is the giver's to refuse)."""
+    return draw < PORT_DRAWS and set(exc.ports) <= set(drawn)
+
+
+def _log_redraw(what: str, taken: Sequence[int], ports: Sequence[int], draw: int) -> None:
+    log.warning(
+        "%s: port %s was taken by another process before %s bound it: the ports it drew are drawn again (draw %d of "
+        "%d), its ports now %s",
+        what, ", ".join(map(str, taken)), what, draw, PORT_DRAWS, ", ".join(map(str, ports)),
+    )  # fmt: skip
 
 
 def _q(text: str | Path) -> str:
@@ -635,6 +722,7 @@ class NatsServer(_Server):
         super().__init__(workdir, log)
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
+        self._drawn = tuple(name for name, given in (("port", port), ("monitor_port", monitor_port)) if not given)
         self.tls = tls
         self.authorization = authorization
         self.cluster_port = cluster_port
@@ -688,12 +776,60 @@ class NatsServer(_Server):
         return routes if isinstance(routes, int) else 0
 
 
-class NatsCluster:
+class _Cluster:
+    """Members started together, their client ports from `port` on when given. The ports no `port`
+    gives come from `draw` (a count: the first of that many consecutive ports); when another process
+    took one before its member bound it (`port_taken`), every member is closed, the cluster's drawn
+    ports are drawn again (`free_ports`, none of `avoid`: ports asked for elsewhere) and the members
+    made and started anew, up to PORT_DRAWS draws in all: its peers were told a member's route or
+    peer port, so none starts again alone, and none of its ports is told before `start` returns."""
+
+    name = "cluster"
+
+    def __init__(self, size: int, port: int | None, logs: Sequence[Path], avoid: Collection[int]) -> None:
+        self.size, self._port, self._logs, self._avoid = size, port, logs, avoid
+        self._given = range(port, port + size) if port else range(0)
+
+    def servers(self) -> Sequence[_Server]:
+        raise NotImplementedError
+
+    def _make(self, draw: Callable[[int], int]) -> None:
+        """Its members, on the ports `port` gives and those `draw` gives."""
+        raise NotImplementedError
+
+    def _up(self, timeout: float) -> None:
+        for server in self.servers():
+            server.launch()
+        _wait_healthy(self.servers(), timeout)
+
+    def _start(self, timeout: float) -> None:
+        draw = 1
+        while True:
+            try:
+                self._up(timeout)
+                return
+            except BaseException as exc:
+                self.close()
+                drawn = [p for server in self.servers() for p in server.ports() if p not in self._given]
+                if not isinstance(exc, PortTaken) or not _draws_again(exc, drawn, draw):
+                    raise
+                draw += 1
+                self._make(functools.partial(free_ports, avoid=self._avoid))
+                _log_redraw(self.name, exc.ports, [p for server in self.servers() for p in server.ports()], draw)
+
+    def close(self, *, now: bool = False) -> None:
+        for server in self.servers():
+            server.close(now=now)
+
+
+class NatsCluster(_Cluster):
     """`size` nats-server members on loopback, every one routed to every other (client ports from
-    `port` on, consecutive). Clients get every member's URL (`urls`) and reconnect to another when
-    theirs goes away. Size 1 is a plain server. Member i writes its output to `logs[i]` when given,
-    else into its store.
+    `port` on, consecutive; ports drawn again as `_Cluster` says). Clients get every member's URL
+    (`urls`) and reconnect to another when theirs goes away. Size 1 is a plain server. Member i
+    writes its output to `logs[i]` when given, else into its store.
     """
+
+    name = "nats"
 
     def __init__(
         self,
@@ -705,41 +841,47 @@ class NatsCluster:
         authorization: str | None = None,
         logs: Sequence[Path] = (),
         draw: Callable[[int], int] = free_ports,
+        avoid: Collection[int] = (),
     ) -> None:
         if size < 1:
             raise ServerError(f"a NATS cluster needs at least 1 member, got {size}")
-        ports = port or draw(size)
+        super().__init__(size, port, logs, avoid)
+        self._tls, self._route_tls, self._authorization = tls, route_tls, authorization
+        self._make(draw)
+
+    def _make(self, draw: Callable[[int], int]) -> None:
+        size, logs = self.size, self._logs
+        ports = self._port or draw(size)
         monitors = draw(size)
         cluster = draw(size) if size > 1 else None  # one member: a plain server
         self.nodes = [
             NatsServer(
                 ports + i,
                 monitors + i,
-                tls=tls,
-                authorization=authorization,
+                tls=self._tls,
+                authorization=self._authorization,
                 cluster_port=cluster + i if cluster else None,
                 routes=[cluster + j for j in range(size) if j != i] if cluster else (),
-                route_tls=route_tls,
+                route_tls=self._route_tls,
                 server_name=f"kvswitch-{i}",
                 log=logs[i] if logs else None,
             )
             for i in range(size)
         ]
 
+    def servers(self) -> Sequence[_Server]:
+        return self.nodes
+
     @property
     def urls(self) -> list[str]:
         return [n.url for n in self.nodes]
 
+    def _up(self, timeout: float) -> None:
+        super()._up(timeout)
+        self.wait_routes(timeout)
+
     def start(self, timeout: float = 20.0) -> Self:
-        try:
-            for node in self.nodes:
-                node.launch()
-            for node in self.nodes:
-                node.wait_healthy(timeout)
-            self.wait_routes(timeout)
-        except BaseException:
-            self.close()
-            raise
+        self._start(timeout)
         return self
 
     def wait_routes(self, timeout: float = 20.0) -> None:
@@ -755,10 +897,6 @@ class NatsCluster:
 
     def healthy(self) -> bool:
         return all(n.healthy() for n in self.nodes)
-
-    def close(self, *, now: bool = False) -> None:
-        for node in self.nodes:
-            node.close(now=now)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -796,6 +934,7 @@ class EtcdServer(_Server):
         super().__init__(workdir, log)
         self.port = port or free_port()
         self.peer_port = peer_port or free_port()
+        self._drawn = tuple(name for name, given in (("port", port), ("peer_port", peer_port)) if not given)
         self.member = member
         self.tls = tls
         self.peer_tls = peer_tls
@@ -860,10 +999,12 @@ class EtcdServer(_Server):
             return None
 
 
-class EtcdCluster:
+class EtcdCluster(_Cluster):
     """`size` etcd members on loopback forming one cluster (client ports from `port` on,
-    consecutive); clients get every member's URL. Member i writes its output to `logs[i]` when
-    given, else into its store."""
+    consecutive; ports drawn again as `_Cluster` says); clients get every member's URL. Member i
+    writes its output to `logs[i]` when given, else into its store."""
+
+    name = "etcd"
 
     def __init__(
         self,
@@ -874,38 +1015,41 @@ class EtcdCluster:
         peer_tls: TlsFiles | None = None,
         logs: Sequence[Path] = (),
         draw: Callable[[int], int] = free_ports,
+        avoid: Collection[int] = (),
     ) -> None:
         if size < 1:
             raise ServerError(f"an etcd cluster needs at least 1 member, got {size}")
-        clients, peers = port or draw(size), draw(size)
-        scheme = "https" if peer_tls else "http"
+        super().__init__(size, port, logs, avoid)
+        self._tls, self._peer_tls = tls, peer_tls
+        self._make(draw)
+
+    def _make(self, draw: Callable[[int], int]) -> None:
+        size, logs = self.size, self._logs
+        clients, peers = self._port or draw(size), draw(size)
+        scheme = "https" if self._peer_tls else "http"
         initial = ",".join(f"m{i}={scheme}://127.0.0.1:{peers + i}" for i in range(size))
         self.members = [
             EtcdServer(
                 clients + i,
                 peers + i,
                 member=f"m{i}",
-                tls=tls,
-                peer_tls=peer_tls,
+                tls=self._tls,
+                peer_tls=self._peer_tls,
                 initial_cluster=initial,
                 log=logs[i] if logs else None,
             )
             for i in range(size)
         ]
 
+    def servers(self) -> Sequence[_Server]:
+        return self.members
+
     @property
     def urls(self) -> list[str]:
         return [m.url for m in self.members]
 
     def start(self, timeout: float = 30.0) -> Self:
-        try:
-            for member in self.members:
-                member.launch()  # a member is healthy only once a quorum is up
-            for member in self.members:
-                member.wait_healthy(timeout)
-        except BaseException:
-            self.close()
-            raise
+        self._start(timeout)
         return self
 
     def leader(self, timeout: float = 10.0) -> int:
@@ -929,10 +1073,6 @@ class EtcdCluster:
 
     def healthy(self) -> bool:
         return all(m.healthy() for m in self.members)
-
-    def close(self, *, now: bool = False) -> None:
-        for member in self.members:
-            member.close(now=now)
 
     def __enter__(self) -> Self:
         return self.start()

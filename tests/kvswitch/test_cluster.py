@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -192,6 +193,63 @@ def test_a_sim_port_a_non_http_server_holds_is_drawn_again(monkeypatch: pytest.M
     finally:
         cluster.stop()
         taken.close()
+
+
+def test_server_ports_taken_before_nats_and_etcd_bind_them_are_drawn_again_and_told_to_all(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # NATS's and etcd's client ports, drawn in the cluster's one draw (the sim's 3, the router's, then
+    # NATS client and monitor, etcd client and peer), taken before the servers bound them: `kvswitch up`
+    # failed to start ("address already in use"). The routers and shims are told the ports drawn again:
+    # ready means they reached both servers.
+    holders = [socket.socket(), socket.socket()]
+    real = free_ports
+    taken: list[int] = []
+
+    def draw(count: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+        base = real(count, host, avoid)
+        if not taken:
+            for holder, offset in zip(holders, (4, 6), strict=True):  # NATS's client port, etcd's
+                holder.bind((host, base + offset))
+                holder.listen()
+                taken.append(base + offset)
+        return base
+
+    monkeypatch.setattr("kvswitch.cluster.free_ports", draw)
+    cluster = LocalCluster(ClusterSpec(agg=1, routers=1, speedup=20))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvswitch.servers"):
+            cluster.start()
+        cluster.wait_ready(60)
+        assert cluster.nats is not None and cluster.etcd is not None
+        urls = cluster.nats.urls + cluster.etcd.urls
+        assert not any(url.endswith(f":{port}") for url in urls for port in taken), (urls, taken)
+        for url in urls:
+            assert url in cluster.describe()
+            assert all(url in " ".join(c.argv) for c in cluster.children if c.kind in ("router", "shim"))
+        said = [r.getMessage() for r in caplog.records]
+        assert [m.split(" was taken")[0] for m in said] == [f"nats: port {taken[0]}", f"etcd: port {taken[1]}"], said
+    finally:
+        cluster.stop()
+        for holder in holders:
+            holder.close()
+
+
+@pytest.mark.parametrize(("server", "name"), [("nats", "--nats-port"), ("etcd", "--etcd-port")])
+def test_a_server_port_a_flag_asks_for_taken_after_the_check_is_refused_naming_the_flag(
+    server: str, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # `kvswitch up` found it free (_check_ports), another process bound it before the server: the
+    # start said the server's own log lines, no flag; it is never drawn again (the operator asked for it)
+    with socket.socket() as holder, caplog.at_level(logging.WARNING, logger="kvswitch.servers"):
+        holder.bind(("127.0.0.1", free_ports(1)))
+        holder.listen()
+        port = holder.getsockname()[1]
+        cluster = LocalCluster(ClusterSpec(routers=0, **{f"{server}_port": port}))
+        refused = rf"^{name} {port}: port {port} was taken by another process before {server} bound it \({server} "
+        with pytest.raises(ServerError, match=refused + rf"exited with 1: port {port} is held by pid {os.getpid()}"):
+            cluster.start()
+        assert str(caplog.text).count("was taken") == 0 and cluster.nats is None
 
 
 def _get(url: str) -> int:

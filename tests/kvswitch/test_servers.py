@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,9 @@ from kvswitch.cluster import _answers
 from kvswitch.servers import (
     FREE_PORTS_ENV,
     PORTS_DIR_ENV,
+    EtcdCluster,
     EtcdServer,
+    NatsCluster,
     NatsServer,
     ServerError,
     free_port,
@@ -79,6 +82,106 @@ def test_a_server_that_cannot_bind_names_the_port_and_its_holder() -> None:
             server.start()
         # It left its store (a kvswitch-nats-* directory) behind, every failed start
         assert not server.workdir.exists() and server.proc is None
+
+
+def _redraws(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "was taken by another process before" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("kind", "attr"),
+    [(NatsServer, "port"), (NatsServer, "monitor_port"), (EtcdServer, "port"), (EtcdServer, "peer_port")],
+)
+def test_a_port_a_server_drew_taken_before_it_binds_it_is_drawn_again(
+    kind: type[NatsServer | EtcdServer], attr: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # free_port checks a port, the server binds it a moment later: another process (a parallel test
+    # worker's server) could take it between, and the server, a test fixture's, failed "address
+    # already in use" (tests/conftest.py's nats_server and etcd_server draw their ports so)
+    server = kind()
+    taken = getattr(server, attr)
+    with socket.socket() as holder, caplog.at_level(logging.WARNING, logger="kvswitch.servers"):
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        try:
+            server.start()
+            assert server.healthy() and taken not in server.ports()
+        finally:
+            server.close()
+    said = _redraws(caplog)
+    assert len(said) == 1 and f"{server.name}: port {taken} was taken" in said[0], said
+    assert f"its ports now {', '.join(map(str, server.ports()))}" in said[0], said
+
+
+def test_a_port_given_a_server_is_never_drawn_again(caplog: pytest.LogCaptureFixture) -> None:
+    # Its owner told others the port (a --nats-port, a URL handed out before the start): a server on
+    # another one would serve nobody who looks for it.
+    with socket.socket() as holder, caplog.at_level(logging.WARNING, logger="kvswitch.servers"):
+        holder.bind(("127.0.0.1", free_port()))
+        holder.listen()
+        port = holder.getsockname()[1]
+        server = EtcdServer(port=port)
+        with pytest.raises(ServerError, match=rf"port {port} is held by pid {os.getpid()}"):
+            server.start()
+    assert server.port == port and _redraws(caplog) == []
+
+
+def test_a_server_draws_its_ports_again_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with socket.socket() as holder, caplog.at_level(logging.WARNING, logger="kvswitch.servers"):
+        holder.bind(("127.0.0.1", free_port()))
+        holder.listen()
+        port = holder.getsockname()[1]
+        monkeypatch.setattr(servers, "free_port", lambda host="127.0.0.1": port)  # every draw the held port
+        server = NatsServer(monitor_port=free_ports(1))
+        with pytest.raises(ServerError, match=rf"port {port} is held by pid {os.getpid()}"):
+            server.start()
+    assert len(_redraws(caplog)) == servers.PORT_DRAWS - 1 and not server.workdir.exists()
+
+
+def test_a_port_an_earlier_run_said_was_taken_in_an_appended_log_is_not_taken_now(tmp_path: Path) -> None:
+    # `kvswitch up --log-dir` appends: a line of an earlier run naming the port it lost is not this run's
+    log = tmp_path / "nats-0.log"
+    with NatsServer(log=log) as server:
+        log.write_text(f"listen tcp 127.0.0.1:{server.port}: bind: address already in use\n" + log.read_text())
+        server.kill()
+        server.launch()
+        server.wait_healthy()
+        assert server.taken_ports() == []
+        with log.open("a") as out:  # what this launch says counts
+            out.write(f"listen tcp 127.0.0.1:{server.monitor_port}: bind: address already in use\n")
+        assert server.taken_ports() == [server.monitor_port]
+
+
+@pytest.mark.parametrize(("kind", "draw"), [(NatsCluster, 3), (EtcdCluster, 2)])
+def test_a_members_peer_port_taken_before_it_binds_it_is_drawn_again_and_its_peers_told(
+    kind: type[NatsCluster | EtcdCluster], draw: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Member 1's NATS route port (the third draw) or etcd peer port (the second), which member 0 dials:
+    # the cluster failed to start. Both up (NATS's routes, etcd's quorum of 2) means member 0 was told
+    # the port drawn again; etcd's member 0 waited out its timeout for the quorum of a member gone.
+    with socket.socket() as holder, caplog.at_level(logging.WARNING, logger="kvswitch.servers"):
+        drawn: list[int] = []
+
+        def draws(count: int) -> int:
+            drawn.append(free_ports(count))
+            if len(drawn) == draw:
+                holder.bind(("127.0.0.1", drawn[-1] + 1))
+                holder.listen()
+            return drawn[-1]
+
+        cluster = kind(2, draw=draws)
+        taken = drawn[draw - 1] + 1
+        try:
+            started = time.monotonic()
+            cluster.start(timeout=15)
+            assert time.monotonic() - started < 10
+            assert cluster.healthy() and not any(taken in server.ports() for server in cluster.servers())
+        finally:
+            cluster.close()
+    said = _redraws(caplog)
+    assert len(said) == 1 and f"{cluster.name}: port {taken} was taken" in said[0], said
 
 
 def test_a_failed_restart_keeps_the_store_it_served_from() -> None:

@@ -60,7 +60,7 @@ async def _router_process(port: int, nats_url: str, etcd_url: str, ns: str) -> A
 async def test_a_router_waiting_for_nats_is_alive_says_why_it_is_not_ready_and_serves_once_nats_is_up(
     etcd_url: str, ns: str, http: aiohttp.ClientSession
 ) -> None:
-    nats = NatsServer()  # its port chosen, nothing listening on it yet
+    nats = NatsServer(port=free_port())  # its port told the router before it listens: given, never drawn again
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     async with _router_process(port, nats.url, etcd_url, ns) as proc:
@@ -170,7 +170,7 @@ async def test_a_connection_opened_while_the_router_starts_is_answered_by_the_ro
     """The door and the router's app are one server: until 2026-12-06 the app got a server of its
     own at the switch and the door closed every connection it held, so a request sent on one just
     after (a client's keep-alive, or one it had just opened) met a reset, not an answer."""
-    nats = NatsServer()  # its port chosen, nothing listening on it yet
+    nats = NatsServer(port=free_port())  # its port told the router before it listens: given, never drawn again
     router = RouterService(
         RouterConfig(ns=ns, nats=NatsSettings(servers=[nats.url]), etcd=EtcdSettings(endpoints=[etcd_url]))
     )
