@@ -36,9 +36,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from nats.aio.client import Client as Nats
@@ -105,7 +105,9 @@ class PublisherCounters:
     kvstate_batches: int = 0
     kvstate_dumps: int = 0
     kvstate_failures: int = 0  # replies NATS refused (counted once each, not as batches or dumps)
-    malformed_requests: int = 0
+    # Requests dropped unanswered, by kind (the metric's `reply`): `malformed` (no KvStateRequest),
+    # `no_reply` (no reply subject to answer on); each kind logged once.
+    malformed: Counter[str] = field(default_factory=Counter)
 
 
 class KvPublisher:
@@ -308,19 +310,19 @@ class KvPublisher:
             self.seal()
             await self._send_outbox()
 
+    def _malformed(self, kind: str, what: str) -> None:
+        self.counters.malformed[kind] += 1
+        if self.counters.malformed[kind] == 1:  # anyone who may publish there can send any number
+            log.warning('%s (logged once; counted in kvswitch_shim_kvstate_requests_total{reply="%s"})', what, kind)
+
     async def on_kvstate(self, msg: Msg) -> None:
         if not msg.reply:
+            self._malformed("no_reply", f"kvstate request on {msg.subject} without a reply subject: dropped")
             return
         try:
             req = decode_msg(msg.data, KvStateRequest)
         except ProtocolError as exc:
-            self.counters.malformed_requests += 1
-            if self.counters.malformed_requests == 1:  # anyone who may publish there can send any number
-                log.warning(
-                    "ignoring malformed kvstate request (logged once; counted in "
-                    'kvswitch_shim_kvstate_requests_total{reply="malformed"}): %s',
-                    exc,
-                )
+            self._malformed("malformed", f"ignoring malformed kvstate request: {exc}")
             return
         for request in (req, KvStateRequest()):  # the second, a dump: NATS refused the first whole
             self.seal()

@@ -148,10 +148,16 @@ class _ShimCollector(Collector):
         k = self.shim.kv_counters
         yield _counter("kv_batches_published", "KvEventBatches published", float(k.batches))
         yield _counter("kv_publish_failures", "KvEventBatches NATS refused", float(k.send_failures))
-        kvstate = CounterMetricFamily(P + "kvstate_requests", "kvstate requests answered", labels=["reply"])
+        kvstate = CounterMetricFamily(
+            P + "kvstate_requests",
+            "kvstate requests by reply: answered (batches, dump), failed, or dropped (malformed: no KvStateRequest; "
+            "no_reply: no reply subject)",
+            labels=["reply"],
+        )
         kvstate.add_metric(["batches"], float(k.kvstate_batches))
         kvstate.add_metric(["dump"], float(k.kvstate_dumps))
-        kvstate.add_metric(["malformed"], float(k.malformed_requests))
+        for kind in ("malformed", "no_reply"):
+            kvstate.add_metric([kind], float(k.malformed[kind]))
         kvstate.add_metric(["failed"], float(k.kvstate_failures))
         yield kvstate
         yield _counter(

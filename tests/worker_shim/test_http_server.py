@@ -102,13 +102,14 @@ async def test_garbage_on_a_workers_subjects_is_counted_by_kind_and_logged_once_
             await nc.publish(subjects.cancel(ns, shim.worker_id), b"\xc1")
             await nc.publish(gen_subject, b"\xc1")  # no reply subject
             await nc.publish(subjects.kvstate(ns, shim.worker_id), b"\xc1", reply=nc.new_inbox())
+            await nc.publish(subjects.kvstate(ns, shim.worker_id), b"\xc1")  # no reply subject
         for _ in range(3):
             with contextlib.suppress(nats.errors.TimeoutError):  # answered with a 400 chunk
                 await nc.request(gen_subject, b"\xc1", timeout=2)
         await flush(nc)
         requests = shim.requests
         await wait_for(
-            lambda: sum(requests.malformed.values()) == 13 and shim.kv_counters.malformed_requests == 5,
+            lambda: sum(requests.malformed.values()) == 13 and sum(shim.kv_counters.malformed.values()) == 10,
             what="every message read",
         )
         await nc.close()
@@ -117,8 +118,16 @@ async def test_garbage_on_a_workers_subjects_is_counted_by_kind_and_logged_once_
         counted = {kind: m.get(("kvswitch_shim_requests_malformed_total", (("kind", kind),))) for kind in kinds}
         assert counted == {"cancel": 5, "no_reply": 5, "generate": 3}
         assert m[("kvswitch_shim_kvstate_requests_total", (("reply", "malformed"),))] == 5
+        assert m[("kvswitch_shim_kvstate_requests_total", (("reply", "no_reply"),))] == 5  # was dropped unsaid
         warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        for what in ("malformed cancel", "has no reply subject", "malformed generate", "malformed kvstate"):
+        said = (
+            "malformed cancel",
+            "has no reply subject",
+            "malformed generate",
+            "malformed kvstate",
+            "without a reply",
+        )
+        for what in said:
             assert sum(what in w for w in warned) == 1, (what, warned)
 
 
