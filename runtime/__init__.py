@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 __all__ = [
     "LISTEN_BACKLOG",
+    "SHOWN_CHARS",
     "JsonFormatter",
     "LogConfigError",
     "RepeatedErrors",
@@ -29,6 +30,7 @@ __all__ = [
     "Throttle",
     "TickErrors",
     "background",
+    "clipped",
     "configure_logging",
     "ended",
     "guarded",
@@ -43,6 +45,16 @@ LISTEN_BACKLOG = 2048
 """The listen backlog of the HTTP servers clients burst into (the router's front door, engine_sim):
 vLLM's server listens with uvicorn's default of 2048; aiohttp's 128 reset the connections of a burst
 while the event loop was busy (a shim opens one per leg, bench chaos's overload_5x)."""
+SHOWN_CHARS = 200
+"""The most of an error's text a log line or a status field shows: a repr can carry a whole foreign
+body (a UnicodeDecodeError's holds every byte it was given: an engine's /metrics, 21 KB a line)."""
+
+
+def clipped(text: str, limit: int = SHOWN_CHARS) -> str:
+    """`text`, cut to `limit` characters, the last three `...`, where it is longer."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 _STD_ATTRS = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 
 

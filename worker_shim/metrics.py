@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from discovery import LeaseState
 from protocol import LoadReport
 from worker_shim.event_health import EventProblem
+from worker_shim.load_reporter import POLL_FAILURE_KINDS
 
 if TYPE_CHECKING:
     from worker_shim.shim import WorkerShim
@@ -60,6 +61,16 @@ class _ShimCollector(Collector):
             "fails, which routers exclude it for, or none are sent",
             float(reporter is not None and reporter.healthy),
         )
+        polls = CounterMetricFamily(
+            P + "load_polls_failed",
+            "Load polls of the engine that failed, by the error's kind: engine_unavailable (no answer), "
+            "engine_error (not a 200), engine_protocol (a /metrics the shim cannot read or a reading it refuses), "
+            "internal (any other exception)",
+            labels=["kind"],
+        )
+        for kind in sorted({*POLL_FAILURE_KINDS, *s.load_polls_failed}):
+            polls.add_metric([kind], float(s.load_polls_failed[kind]))
+        yield polls
         reg = s.registration
         yield _counter("registrations", "Registrations, re-registrations included", float(s.registration_count))
         yield _counter(

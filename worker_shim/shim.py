@@ -33,6 +33,7 @@ import enum
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,7 @@ from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
 from protocol.version import BUILD
 from protocol.vllm_events import RESOLVED_BY_ENGINE
-from runtime import TickErrors, background, ended, guarded
+from runtime import TickErrors, background, clipped, ended, guarded
 from runtime.nats_connect import refused_subscriptions
 from runtime.nats_flush import flush
 from runtime.nats_unsubscribe import unsubscribe
@@ -321,6 +322,7 @@ class WorkerShim:
         self.kv_counters = PublisherCounters()
         self.load_reports_sent = 0  # by every worker id this process registered
         self.load_reports_unencodable = 0  # reports that could not be encoded, so not sent (a bug)
+        self.load_polls_failed: Counter[str] = Counter()  # by kind, by every worker id's reporter
         self.engine_events = 0
         self.engine_batches = {True: 0, False: 0}
         self.rebuild_guard = _RebuildGuard()
@@ -502,8 +504,8 @@ class WorkerShim:
                     wait = min(SESSION_RETRY_MAX_S, self.config.health_interval_s * 2 ** min(failed - 1, 10))
                     # The engine's fault needs none; a crashed task's was logged as it crashed.
                     trace = None if isinstance(exc, EngineError | _TaskCrashed) else exc
-                    log.error("the session with the engine at %s failed: %r; a new one starts in %.1fs",
-                              self.config.engine_url, exc, wait, exc_info=trace)  # fmt: skip
+                    log.error("the session with the engine at %s failed: %s; a new one starts in %.1fs",
+                              self.config.engine_url, clipped(repr(exc)), wait, exc_info=trace)  # fmt: skip
                     await self._rest(wait)
         except ConfigError as exc:
             log.error("shim cannot serve this engine: %s", exc)
@@ -1257,6 +1259,7 @@ class WorkerShim:
             on_published=self._count_load_report,
             on_unencodable=self._count_unencodable_report,
             on_crash=lambda: self._count_task_failure("load_reporter"),
+            polls_failed=self.load_polls_failed,
         )
         presence.reporter.start()
 

@@ -5,6 +5,7 @@ HTTP server cannot listen: a bad --http-host is named as such, not as --http-por
 
 from __future__ import annotations
 
+import logging
 import socket
 from typing import Any
 
@@ -15,16 +16,21 @@ from engine_sim.server import SimServer
 from kvswitch.servers import free_port
 from protocol import ConfigError, LoadReport, decode_msg, subjects
 from protocol.config import EtcdSettings, NatsSettings
+from runtime import SHOWN_CHARS
 from runtime.nats_flush import flush
 from tests.worker_shim.cluster import shim_for, sim_config, wait_for
 from tests.worker_shim.test_http_server import health, scrape
 from tests.worker_shim.test_silent_failures import FaultyProxy
 from worker_shim import ShimConfig, WorkerShim
 from worker_shim.adapters import EngineError
-from worker_shim.load_reporter import ERROR_CHARS, LoadReporter
+from worker_shim.load_reporter import LoadReporter
 
 ENGINE_HEALTHY = ("kvswitch_shim_engine_healthy", ())
 SERVING = ("kvswitch_shim_serving", ())
+
+
+def polls_failed(kind: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return ("kvswitch_shim_load_polls_failed_total", (("kind", kind),))
 
 
 def _without(text: str, prefix: str) -> str:
@@ -63,6 +69,9 @@ async def test_health_and_metrics_show_the_engine_failing_while_routers_are_told
             assert error.startswith("engine_protocol (502): ") and "vllm:num_requests_running" in error
             m = await scrape(url)
             assert m[ENGINE_HEALTHY] == 0 and m[SERVING] == 1
+            # Each failed poll counted by its kind (until 2026-12-07 only the gauge said anything).
+            assert m[polls_failed("engine_protocol")] >= 1
+            assert m[polls_failed("engine_unavailable")] == m[polls_failed("engine_error")] == 0
 
             del proxy.rewrite["/metrics"]  # the polls work again
             await wait_for(lambda: reports[-1].healthy, what="a healthy load report")
@@ -97,17 +106,48 @@ class _Failing:
         (ValueError("a count that does not parse"), "ValueError('a count that does not parse')"),
     ],
 )
-async def test_the_last_poll_error_is_kept_short(nats_url: str, ns: str, exc: Exception, said: str) -> None:
+async def test_the_last_poll_error_is_kept_short(
+    nats_url: str, ns: str, exc: Exception, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On /health and in the log line alike (until 2026-12-07 the line held all of it: a
+    UnicodeDecodeError's repr, a whole 21 KB /metrics)."""
     nc = await nats.connect(nats_url)
     reporter = LoadReporter(nc, ns, "w1", _Failing(exc), lambda: 0, 100, period_s=0.05, poll_s=0.02)  # type: ignore[arg-type]
     reporter.start()
     try:
         await wait_for(lambda: not reporter.healthy, what="a failed poll")
-        assert reporter.error.startswith(said) and len(reporter.error) <= ERROR_CHARS
+        assert reporter.error.startswith(said) and len(reporter.error) <= SHOWN_CHARS
         assert reporter.report().healthy is False
     finally:
         await reporter.stop()
         await nc.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "worker_shim.load_reporter"]
+    assert line.endswith(reporter.error) and len(line) <= SHOWN_CHARS + 60, line
+
+
+async def test_a_metrics_body_that_is_not_utf8_is_a_short_warning_and_an_engine_protocol_error(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The audit's bad_engine_proxy.py `nonutf8`: a bare decode raised UnicodeDecodeError, an ERROR
+    with a traceback and the whole body in one 21,269-character line. Now it is the engine's fault,
+    said once in a short WARNING, and counted."""
+    async with (
+        SimServer(sim_config()) as sim,
+        FaultyProxy(sim.url).running() as proxy,
+        shim_for(sim, ns, nats_url, etcd_url, engine_url=proxy.url) as shim,
+    ):
+        await wait_for(shim.registered.is_set, what="registered")
+        caplog.clear()
+        proxy.rewrite["/metrics"] = lambda b: b"\xff\xfe" + b
+        await wait_for(lambda: shim.load_polls_failed["engine_protocol"] >= 3, what="three failed polls")
+        status, body = await health(shim.http.url)
+        assert status == 200 and body["engine_healthy"] is False  # still serving; routers leave it out
+        assert body["engine_error"] == f"engine_protocol (502): {proxy.url}/metrics is not UTF-8 text (byte 0)"
+        assert (await scrape(shim.http.url))[polls_failed("engine_protocol")] >= 3
+    said = [r for r in caplog.records if r.name.startswith("worker_shim") and r.levelno >= logging.WARNING]
+    (warning,) = [r for r in said if r.name == "worker_shim.load_reporter"]
+    assert warning.getMessage() == f"load poll failed: {body['engine_error']}" and warning.exc_info is None
+    assert all(r.levelno == logging.WARNING and len(r.getMessage()) < 1000 for r in said), said
 
 
 # --- where the shim's HTTP server cannot listen ---------------------------------------------------

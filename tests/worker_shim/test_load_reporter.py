@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,16 +20,17 @@ from kvswitch.servers import NatsServer
 from protocol import Cleared, KvEventBatch, LoadReport, decode_msg, subjects
 from protocol.config import MIN_LOAD_PERIOD_S
 from router.sender_budget import SenderBudget
+from runtime import Throttle
 from runtime.nats_flush import flush
 from tests.relay import Relay
 from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
 from tests.worker_shim.test_kv_digest import replayed, xor_of
 from worker_shim import ShimConfig
-from worker_shim.adapters.base import EngineLoad
+from worker_shim.adapters.base import EngineError, EngineLoad
 from worker_shim.adapters.sglang import load_from_metrics as sglang_load
 from worker_shim.adapters.trtllm import load_from_stats as trtllm_load
 from worker_shim.adapters.vllm import load_from_metrics
-from worker_shim.load_reporter import LoadReporter
+from worker_shim.load_reporter import EPISODE_SAID_S, LoadReporter
 
 
 def test_the_default_period_is_half_a_second() -> None:
@@ -397,3 +399,58 @@ async def test_a_shim_at_its_shortest_period_poked_on_every_change_stays_within_
     assert len(sent) <= 2.0 / MIN_LOAD_PERIOD_S + 1, len(sent)
     budget = SenderBudget()
     assert all(budget.admit("w1", t) for t in sent) and budget.over == 0
+
+
+class _Flapping:
+    """An engine whose /metrics alternates a good answer and one the shim cannot read, poll by
+    poll (the audit's bad_engine_proxy.py `flap`); `failed` counts the bad ones."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+        self.failed = 0
+
+    async def load(self) -> EngineLoad:
+        self.polls += 1
+        if self.polls % 2:
+            return EngineLoad(running=1)
+        self.failed += 1
+        raise EngineError(502, "engine_protocol", "/metrics has no load series")
+
+
+async def test_a_flapping_metrics_is_counted_by_kind_and_said_once_a_minute_with_how_many_more(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A WARNING per flip before (38 in 20 s), and the failed polls counted nowhere: each is now
+    counted by kind, an episode's WARNING said at most once a minute with how many were held back
+    meanwhile, and a said episode's end said at INFO."""
+    engine = _Flapping()
+    polls_failed: Counter[str] = Counter()
+    reporter = LoadReporter(
+        _CountingNats(),  # type: ignore[arg-type]
+        "t",
+        "w1",
+        engine,  # type: ignore[arg-type]
+        lambda: 0,
+        100,
+        period_s=0.05,
+        poll_s=0.005,
+        polls_failed=polls_failed,
+    )
+    now = [0.0]
+    reporter._episodes = Throttle(EPISODE_SAID_S, clock=lambda: now[0])  # a minute passes when the test says
+    with caplog.at_level(logging.INFO, logger="worker_shim.load_reporter"):
+        reporter.start()
+        try:
+            await wait_for(lambda: engine.failed >= 20, what="twenty flips")
+            held = engine.failed - 1  # each failed poll starts an episode; the first was said
+            now[0] += EPISODE_SAID_S
+            await wait_for(lambda: engine.failed >= held + 4, what="flips a minute on")
+        finally:
+            await reporter.stop()
+    assert polls_failed == {"engine_protocol": engine.failed}
+    said = [r for r in caplog.records if r.name == "worker_shim.load_reporter"]
+    warnings = [r.getMessage() for r in said if r.levelno >= logging.WARNING]
+    first = "load poll failed: engine_protocol (502): /metrics has no load series"
+    assert warnings == [first, f"{first} ({held} more episodes of it since the one said 60s ago)"], warnings
+    recovered = [r.getMessage() for r in said if r.levelno == logging.INFO]
+    assert len(recovered) == 2 and all(m.startswith("load polls work again after ") for m in recovered), recovered

@@ -42,6 +42,7 @@ from protocol import (
 )
 from protocol.config import EtcdSettings
 from protocol.messages import ENDPOINT_COMPLETIONS
+from runtime import SHOWN_CHARS
 from runtime.nats_flush import flush
 from tests.worker_shim.cluster import shim_for, sim_config, wait_for
 from tests.worker_shim.test_shim_lifecycle import registered_workers
@@ -130,6 +131,57 @@ async def test_a_metrics_blip_at_the_start_is_a_failed_session_retried_not_a_dea
         (said,) = [r for r in caplog.records if r.name == "worker_shim.shim"]
         assert "/metrics answered 503" in said.getMessage() and "a new one starts in" in said.getMessage()
         assert said.exc_info is None  # the engine's fault: no traceback
+
+
+async def test_a_metrics_body_that_is_not_utf8_at_the_start_is_a_failed_session_said_briefly(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The audit's bad_engine_proxy.py `nonutf8` at a shim's start: each failed session was said
+    with a UnicodeDecodeError's repr, the whole body (~21 KB a line), and a traceback. Now it is
+    the engine's fault: an engine_protocol error that names the byte."""
+    async with SimServer(sim_config()) as sim, FaultyProxy(sim.url).running() as proxy:
+        proxy.rewrite["/metrics"] = lambda b: b"\xff\xfe" + b
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine_url=proxy.url)
+        with caplog.at_level(logging.ERROR, logger="worker_shim.shim"):
+            async with shim:
+                await wait_for(lambda: shim.session_failures >= 2, what="two failed sessions")
+                del proxy.rewrite["/metrics"]
+                await registered_or_done(shim)
+                assert shim.status is ShimStatus.REGISTERED, shim.failure
+        said = [r for r in caplog.records if r.getMessage().startswith("the session with the engine")]
+        assert len(said) >= 2
+        for record in said:
+            assert f"engine_protocol (502): {proxy.url}/metrics is not UTF-8 text (byte 0)" in record.getMessage()
+            assert record.exc_info is None and len(record.getMessage()) < 400, record.getMessage()
+
+
+async def test_a_session_failure_says_its_error_in_at_most_shown_chars(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Of an error no rule expected, the line says a repr clipped to runtime.SHOWN_CHARS (the rule
+    /health's engine_error keeps) and the traceback follows: a UnicodeDecodeError's repr holds every
+    byte it was given, and the line held 21 KB of /metrics."""
+    real = vllm_adapter.VllmAdapter.limits
+    error = UnicodeDecodeError("utf-8", b"\xff\xfe" + b"# HELP vllm:x\n" * 2000, 0, 1, "invalid start byte")
+    calls = [0]
+
+    async def limits(self: vllm_adapter.VllmAdapter) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise error
+        return await real(self)
+
+    monkeypatch.setattr(vllm_adapter.VllmAdapter, "limits", limits)
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url)
+        with caplog.at_level(logging.ERROR, logger="worker_shim.shim"):
+            async with shim:
+                await registered_or_done(shim)
+                assert shim.status is ShimStatus.REGISTERED and shim.session_failures == 1, shim.failure
+    (said,) = [r for r in caplog.records if r.getMessage().startswith("the session with the engine")]
+    shown = repr(error)[: SHOWN_CHARS - 3] + "..."
+    assert said.getMessage() == f"the session with the engine at {sim.url} failed: {shown}; a new one starts in 0.1s"
+    assert said.exc_info is not None  # not the engine's fault: its traceback is kept
 
 
 async def test_a_metrics_blip_does_not_skip_the_check_of_a_flag_against_the_engine(

@@ -23,7 +23,7 @@ from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth, 
 from worker_shim.adapters.openai_http import model_cards, post_utility
 from worker_shim.config import ShimConfig
 
-__all__ = ["PROBE_TIMEOUT", "HttpEngineAdapter"]
+__all__ = ["PROBE_TIMEOUT", "HttpEngineAdapter", "utf8_text"]
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 _SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_connect=5.0)
@@ -46,6 +46,16 @@ def _out_of_fds(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def utf8_text(body: bytes, url: str) -> str:
+    """`body`, the answer from `url`, as text; EngineError (502 `engine_protocol`) naming the first
+    byte that is not UTF-8. A bare decode raised UnicodeDecodeError, whose repr holds the whole
+    body: a traceback and 21 KB of /metrics a line, at each load poll and each session's start."""
+    try:
+        return body.decode()
+    except UnicodeDecodeError as exc:
+        raise EngineError(502, "engine_protocol", f"{url} is not UTF-8 text (byte {exc.start})") from None
 
 
 class HttpEngineAdapter(EngineAdapter):
@@ -145,3 +155,7 @@ class HttpEngineAdapter(EngineAdapter):
                 return await resp.read()
         except _NETWORK_ERRORS as exc:
             raise EngineError(503, "engine_unavailable", f"{self.base}{path}: {exc!r}") from exc
+
+    async def fetch_text(self, path: str) -> str:
+        """fetch()'s body as UTF-8 text (utf8_text)."""
+        return utf8_text(await self.fetch(path), self.base + path)

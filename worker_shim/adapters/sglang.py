@@ -494,7 +494,7 @@ class SglangAdapter(ZmqEventsAdapter):
         check_engine_kind(self.kind, self.base, metrics)
 
     async def load(self) -> EngineLoad:
-        return load_from_metrics((await self.fetch("/metrics")).decode(), self._kv_total, self._kv_tokens)
+        return load_from_metrics(await self.fetch_text("/metrics"), self._kv_total, self._kv_tokens)
 
     async def _post(
         self, leg: LegRequest, body: dict[str, Any], on_tokens: Callable[[list[int]], Awaitable[None]] | None

@@ -63,6 +63,7 @@ from worker_shim.adapters.base import (
     LegRequest,
     OnOutput,
 )
+from worker_shim.adapters.http_engine import utf8_text
 from worker_shim.adapters.openai_http import (
     ENDPOINT_PATHS,
     error_from,
@@ -402,7 +403,7 @@ class VllmAdapter(ZmqEventsAdapter):
                 ) from exc
             raise
         check_engine_kind(self.kind, self.base, raw)
-        text = raw.decode()
+        text = utf8_text(raw, self.base + "/metrics")
         self._rank_header, self.events_rank = check_rank(text, self.config.data_parallel_rank, self.base)
         check_load_series(text, self.config.data_parallel_rank, self.base)
         return limits_from_metrics(text, self.config.data_parallel_rank)
@@ -422,7 +423,7 @@ class VllmAdapter(ZmqEventsAdapter):
         return event_sources(raw) if isinstance(raw, dict) else None
 
     async def load(self) -> EngineLoad:
-        return load_from_metrics((await self.fetch("/metrics")).decode(), self.config.data_parallel_rank)
+        return load_from_metrics(await self.fetch_text("/metrics"), self.config.data_parallel_rank)
 
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
         url = self.base + "/tokenize"

@@ -1,0 +1,69 @@
+"""What the adapters of HTTP-served engines share (worker_shim.adapters.http_engine): a body that
+is not UTF-8 is the engine's protocol error, naming the byte, never a UnicodeDecodeError, whose
+repr carries the whole body into the log (the audit's bad_engine_proxy.py `nonutf8`: an ERROR,
+a traceback and a 21,269-character line at each load poll)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from tests.worker_shim.cluster import served
+from worker_shim import ShimConfig
+from worker_shim.adapters import EngineAdapter, EngineError, make_adapter
+from worker_shim.adapters.http_engine import utf8_text
+from worker_shim.config import EngineKind
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+METRICS = {
+    "vllm": FIXTURES / "vllm-0.32" / "bs32" / "metrics_after.txt",
+    "sglang": FIXTURES / "sglang" / "metrics.txt",
+    "trtllm": FIXTURES / "trtllm" / "metrics.json",
+}
+
+
+def test_a_body_that_is_not_utf8_is_the_engines_protocol_error_naming_the_byte() -> None:
+    assert utf8_text(b"vllm:x 1\n", "http://e/metrics") == "vllm:x 1\n"
+    with pytest.raises(EngineError) as err:
+        utf8_text(b"# HELP \xc3( x\n", "http://e/metrics")
+    assert (err.value.code, err.value.kind) == (502, "engine_protocol")
+    assert err.value.message == "http://e/metrics is not UTF-8 text (byte 7)"
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # the body stays out of the log
+
+
+async def _failure(engine: EngineKind, call: str) -> tuple[str, EngineError]:
+    body = b"\xff\xfe" + METRICS[engine].read_bytes()
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=body)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    async with served(app) as url:
+        adapter: EngineAdapter = make_adapter(
+            ShimConfig(engine=engine, engine_url=url, model="m", kv_events="tcp://127.0.0.1:9")
+        )
+        await adapter.open()
+        try:
+            with pytest.raises(EngineError) as err:
+                await getattr(adapter, call)()
+        finally:
+            await adapter.close()
+    return url, err.value
+
+
+@pytest.mark.parametrize(("engine", "call"), [("vllm", "load"), ("vllm", "limits"), ("sglang", "load")])
+async def test_a_prometheus_metrics_not_utf8_fails_as_the_engines_protocol_error(engine: EngineKind, call: str) -> None:
+    url, err = await _failure(engine, call)
+    assert (err.code, err.kind, err.message) == (502, "engine_protocol", f"{url}/metrics is not UTF-8 text (byte 0)")
+
+
+@pytest.mark.parametrize("call", ["load", "limits"])
+async def test_a_trtllm_metrics_that_is_not_utf8_fails_as_the_engines_protocol_error(call: str) -> None:
+    """TensorRT-LLM's /metrics is JSON, which msgspec decodes from the bytes: already an EngineError."""
+    url, err = await _failure("trtllm", call)
+    assert (err.code, err.kind) == (502, "engine_protocol") and err.message.startswith(
+        f"{url}/metrics answered no JSON"
+    )
