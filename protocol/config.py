@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-from protocol.errors import FLAG_ONLY, ConfigError, VariableError, without_userinfo
+from protocol.errors import FLAG_ONLY, ConfigError, VariableError, setting_names, without_userinfo
 
 __all__ = [
     "DISAGG_MODES",
@@ -325,6 +325,7 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError("nats_servers", url, problem)
         if (self.user is None) != (self.password is None):
             raise ConfigError("nats_user", self.user, "nats_user and nats_password go together")
+        self._check_one_credential()
         if not PING_INTERVAL_S[0] <= self.ping_interval_s <= PING_INTERVAL_S[1]:  # NaN fails both
             raise ConfigError(
                 "nats_ping_interval_s",
@@ -351,6 +352,37 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
         if self.tls_ca or self.tls_cert:
             self.ssl_context()
         return self
+
+    def _check_one_credential(self) -> None:
+        """ConfigError naming two credentials given together: nats-py sends one of them alone and
+        drops the other without a word (a creds file before an nkey seed, either of them, to a server
+        that asks for a signature, before a user and password, those before a token, a token before
+        a URL's userinfo), and a server that wants the other refused it for ever ('Authorization
+        Violation'). A token beside a creds file or an nkey seed is not refused: nats-py sends it
+        with the signature, for an auth callout to read (nats-py 2.16, Client._connect_command),
+        and alone to a server that asks for none."""
+        in_url = next((url for url in self.servers if urlsplit(url).username is not None), None)
+        given = [
+            (setting, value)
+            for setting, value in (
+                ("nats_creds_file", self.creds_file),
+                ("nats_nkey_file", self.nkey_file),
+                ("nats_user", self.user),
+                ("nats_servers", in_url),
+            )
+            if value is not None
+        ]
+        if self.token is not None and any(setting in ("nats_user", "nats_servers") for setting, _ in given):
+            given.append(("nats_token", self.token))
+        if len(given) < 2:
+            return
+        (setting, value), (other, _) = given[:2]
+        raise ConfigError(
+            setting,
+            value,
+            f"give one NATS credential, not both {_CREDENTIALS[setting]} and {_CREDENTIALS[other]}: nats-py would "
+            "send one of them alone and drop the other without a word",
+        )
 
     def shown_servers(self) -> list[str]:
         """The server URLs as logs may name them: without a `user:password@`."""
@@ -402,6 +434,16 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
         """The client TLS context of --nats-tls-ca (the system's CAs without it) and the client
         certificate; ConfigError naming the file that does not load."""
         return _ssl_context("nats_", self.tls_ca, self.tls_cert, self.tls_key)
+
+
+# The NATS credentials as NatsSettings._check_one_credential names them, by their setting.
+_CREDENTIALS = {
+    "nats_creds_file": f"nats_creds_file ({setting_names('nats_creds_file')})",
+    "nats_nkey_file": f"nats_nkey_file ({setting_names('nats_nkey_file')})",
+    "nats_user": f"nats_user/nats_password ({setting_names('nats_user')}; {setting_names('nats_password')})",
+    "nats_servers": f"a user:password@ or token@ in nats_servers ({setting_names('nats_servers')})",
+    "nats_token": f"nats_token ({setting_names('nats_token')})",
+}
 
 
 class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):

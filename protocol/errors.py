@@ -13,6 +13,7 @@ __all__ = [
     "VariableError",
     "bind_sockets",
     "listen_error",
+    "setting_names",
     "try_listen",
     "without_userinfo",
 ]
@@ -38,6 +39,13 @@ def without_userinfo(url: str) -> str:
     return url.rpartition("@")[2] if "@" in url and ":" in url else url
 
 
+def setting_names(setting: str) -> str:
+    """How a process is given `setting`: its flag, and its variable unless it is FLAG_ONLY (its file
+    key is `setting` itself)."""
+    flag = "--" + setting.replace("_", "-")
+    return flag if setting in FLAG_ONLY else f"{flag}, KVSWITCH_{setting.upper()}"
+
+
 def _shown(value: object) -> object:
     """`value` with URL userinfo stripped from every string in it."""
     if isinstance(value, str):
@@ -58,15 +66,12 @@ class ConfigError(ValueError):
         self.setting = setting
         self.value = value
         self.allowed = allowed
-        names = "--" + setting.replace("_", "-")
-        if setting not in FLAG_ONLY:
-            names += f", KVSWITCH_{setting.upper()}"
         if setting in _SECRETS and value is not None:
             kind = type(value).__name__
             shown = f"<redacted> ({'an' if kind[0] in 'aeiou' else 'a'} {kind})"
         else:
             shown = repr(_shown(value))
-        super().__init__(f"invalid {setting} ({names}) = {shown}: {allowed}")
+        super().__init__(f"invalid {setting} ({setting_names(setting)}) = {shown}: {allowed}")
 
     @classmethod
     def one_of(cls, setting: str, value: object, choices: Iterable[str]) -> ConfigError:

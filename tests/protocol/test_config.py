@@ -414,15 +414,19 @@ def test_conditional_disagg_with_a_fixed_mode_is_refused(disagg: str) -> None:
 def test_nats_connect_options_carry_every_setting(tmp_path: Path) -> None:
     creds = tmp_path / "u.creds"
     creds.write_text(_creds())
+    # one credential each (two that nats-py would not both send are refused: test_config_credentials)
+    user = resolve(
+        NatsSettings, cli={"nats_user": "u", "nats_password": "p"}, env={}, setting_prefix="nats_"
+    ).connect_options("me")
+    assert (user["user"], user["password"]) == ("u", "p")
     s = resolve(
         NatsSettings,
-        cli={"nats_servers": ["nats://h:1"], "nats_user": "u", "nats_password": "p", "nats_token": "t",
-             "nats_creds_file": str(creds)},
+        cli={"nats_servers": ["nats://h:1"], "nats_token": "t", "nats_creds_file": str(creds)},
         env={}, setting_prefix="nats_",
     )  # fmt: skip
     opts = s.connect_options("me")
     assert opts["servers"] == ["nats://h:1"] and opts["name"] == "me"
-    assert (opts["user"], opts["password"], opts["token"]) == ("u", "p", "t")
+    assert opts["token"] == "t"
     assert opts["user_credentials"] == str(creds)
     assert opts["max_reconnect_attempts"] == -1
     assert "tls" not in opts

@@ -82,16 +82,69 @@ def test_a_key_of_another_certificate_or_a_certificate_that_is_none_is_refused(
         assert settings.connect_options("x")["tls"].verify_mode.name == "CERT_REQUIRED"
 
 
-def test_the_right_seed_and_creds_files_pass(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("setting", "content"), [("nats_nkey_file", SEED + "\n"), ("nats_creds_file", _creds(SEED))], ids=["seed", "creds"]
+)
+def test_the_right_seed_and_creds_files_pass(tmp_path: Path, setting: str, content: str) -> None:
+    (tmp_path / "file").write_text(content)
+    s = resolve(NatsSettings, cli={setting: str(tmp_path / "file")}, env={}, setting_prefix="nats_")
+    assert getattr(s, setting.removeprefix("nats_")) == str(tmp_path / "file")
+
+
+TOKEN = {"nats_token": "s3cret"}
+USER = {"nats_user": "ops", "nats_password": "pw"}
+
+
+@pytest.mark.parametrize(
+    ("given", "setting", "other"),
+    [
+        # nats-py sends the user and password, never the token: the brief's repro retried for ever
+        ({**TOKEN, **USER}, "nats_user", "nats_token (--nats-token, KVSWITCH_NATS_TOKEN)"),
+        ({"nats_creds_file": "{creds}", "nats_nkey_file": "{seed}"}, "nats_creds_file", "nats_nkey_file (--nats-nkey"),
+        ({"nats_nkey_file": "{seed}", **USER}, "nats_nkey_file", "nats_user/nats_password (--nats-user, KVSWITC"),
+        ({"nats_creds_file": "{creds}", **USER, **TOKEN}, "nats_creds_file", "nats_user/nats_password (--nats-user"),
+        ({"nats_servers": ["nats://ops:pw@h:4222"], **USER}, "nats_user", "a user:password@ or token@ in nats_se"),
+        ({"nats_servers": ["nats://h:4222", "nats://tok@g:4222"], **TOKEN}, "nats_servers", "nats_token (--nats-t"),
+        ({"nats_servers": ["nats://ops:pw@h:4222"], "nats_nkey_file": "{seed}"}, "nats_nkey_file", "in nats_servers"),
+    ],
+    ids=["token-user", "creds-seed", "seed-user", "creds-user-token", "url-user", "url-token", "url-seed"],
+)
+@pytest.mark.parametrize("layer", ["cli", "env", "file"])
+def test_two_nats_credentials_are_refused_naming_both(
+    tmp_path: Path, given: dict[str, str | list[str]], setting: str, other: str, layer: str
+) -> None:
+    """nats-py sends one of them alone (a creds file before a seed, either before a user and password,
+    those before a token, a token before a URL's) and drops the other without a word, so a server
+    that wanted the other answered 'Authorization Violation' for ever (review, 2026-12-07)."""
     (tmp_path / "w.nk").write_text(SEED + "\n")
     (tmp_path / "u.creds").write_text(_creds(SEED))
-    s = resolve(
-        NatsSettings,
-        cli={"nats_nkey_file": str(tmp_path / "w.nk"), "nats_creds_file": str(tmp_path / "u.creds")},
-        env={},
-        setting_prefix="nats_",
-    )
-    assert s.nkey_file == str(tmp_path / "w.nk")
+    files = {"{seed}": str(tmp_path / "w.nk"), "{creds}": str(tmp_path / "u.creds")}
+    values = {k: files.get(v, v) if isinstance(v, str) else v for k, v in given.items()}
+    env = {f"KVSWITCH_{k.upper()}": v if isinstance(v, str) else ",".join(v) for k, v in values.items()}
+    with pytest.raises(ConfigError) as err:
+        resolve(
+            NatsSettings,
+            cli=values if layer == "cli" else {},
+            env=env if layer == "env" else {},
+            file=values if layer == "file" else {},
+            setting_prefix="nats_",
+        )
+    said = str(err.value)
+    assert err.value.setting == setting
+    assert said.startswith(f"invalid {setting} (--{setting.replace('_', '-')}, KVSWITCH_{setting.upper()})"), said
+    assert "give one NATS credential, not both" in said and other in said, said
+    assert "s3cret" not in said and "pw" not in said, said
+
+
+@pytest.mark.parametrize("setting", ["nats_nkey_file", "nats_creds_file"])
+def test_a_token_beside_a_seed_or_a_creds_file_passes_and_both_are_sent(tmp_path: Path, setting: str) -> None:
+    """nats-py sends the token with the signature, for an auth callout (and the token alone to a
+    server that asks for no signature): neither is dropped, so the pair is not refused."""
+    (tmp_path / "file").write_text(SEED + "\n" if setting == "nats_nkey_file" else _creds(SEED))
+    given = {setting: str(tmp_path / "file"), **TOKEN}
+    opts = resolve(NatsSettings, cli=given, env={}, setting_prefix="nats_").connect_options("x")
+    assert opts["token"] == "s3cret"
+    assert opts["nkeys_seed" if setting == "nats_nkey_file" else "user_credentials"] == str(tmp_path / "file")
 
 
 def _rsa_pair(tmp_path: Path, bits: int, passphrase: bytes | None = None) -> tuple[Path, Path]:

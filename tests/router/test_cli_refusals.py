@@ -107,6 +107,16 @@ def test_a_file_key_that_would_set_both_nats_and_etcd_is_refused_without_its_val
     assert "would set" not in str(err.value)
 
 
+def test_a_token_beside_a_user_and_password_is_refused_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nats-py sent the user and password alone: against a token server the router started and
+    retried 'Authorization Violation' for ever (review, 2026-12-07)."""
+    monkeypatch.setenv("KVSWITCH_NATS_TOKEN", "s3cret")
+    with pytest.raises(ConfigError) as err:
+        cli.build_config(_args("--nats-user", "ops", "--nats-password", "pw"))
+    assert str(err.value).startswith("invalid nats_user (--nats-user, KVSWITCH_NATS_USER) = 'ops': give one NATS")
+    assert "nats_token (--nats-token, KVSWITCH_NATS_TOKEN)" in str(err.value) and "s3cret" not in str(err.value)
+
+
 @pytest.mark.parametrize("flag", ["--body-timeout-s", "--idle-timeout-s"])
 @pytest.mark.parametrize("value", ["0", "inf", "-1"])
 def test_a_front_door_timeout_that_is_not_finite_and_positive_is_refused_naming_it(flag: str, value: str) -> None:
