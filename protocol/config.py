@@ -781,6 +781,11 @@ def _layer(
             out[field.name] = _layer(sub, live, cli, sub_file, env, env_prefix, prefix)
             continue
         name = prefix + field.name
+        if name != field.name and name in file and field.name in file:
+            # Either winning would leave the other edited in vain without a word (as _with_section).
+            raise ConfigError(
+                name, file[name], f"the config file gives it twice, as {name!r} and as {field.name!r}: keep one"
+            )
         env_name = env_prefix + name.upper()
         if name in live:
             out[field.name] = live[name]

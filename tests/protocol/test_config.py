@@ -160,6 +160,34 @@ def test_a_setting_both_top_level_and_in_the_conditional_section_is_refused(tmp_
         resolve(RouterSettings, file=load_file(path), env={})
 
 
+@pytest.mark.parametrize(
+    ("text", "setting", "short"),
+    [
+        ("nats_servers: [nats://a:1]\nservers: [nats://b:1]\n", "nats_servers", "servers"),
+        ("servers: [nats://a:1]\nnats_servers: [nats://a:1]\n", "nats_servers", "servers"),
+        ("nats_token: aaa\ntoken: bbb\n", "nats_token", "token"),
+        ("etcd_endpoints: [http://a:1]\nendpoints: [http://b:1]\n", "etcd_endpoints", "endpoints"),
+    ],
+)
+def test_a_setting_under_both_its_full_and_its_short_name_is_refused(
+    tmp_path: Path, text: str, setting: str, short: str
+) -> None:
+    """The full name won silently, whichever came first in the file, equal values or not (review,
+    2026-12-07); a flag over both does not make the file right."""
+    path = tmp_path / "kvswitch.yaml"
+    path.write_text(text)
+    flag = {"nats_servers": ["nats://c:1"], "nats_token": "ccc", "etcd_endpoints": ["http://c:1"]}[setting]
+    for cli in ({}, {setting: flag}):
+        with pytest.raises(ConfigError) as err:
+            if setting.startswith("nats_"):
+                resolve(NatsSettings, cli=cli, file=load_file(path), env={}, setting_prefix="nats_")
+            else:
+                resolve(EtcdSettings, cli=cli, file=load_file(path), env={}, setting_prefix="etcd_")
+        assert err.value.setting == setting
+        assert f"the config file gives it twice, as {setting!r} and as {short!r}: keep one" in str(err.value)
+        assert "aaa" not in str(err.value) and "bbb" not in str(err.value)
+
+
 def test_an_empty_conditional_section_is_none(tmp_path: Path) -> None:
     path = tmp_path / "router.yaml"
     path.write_text("eff_isl_threshold: 300\nconditional:\n")
