@@ -37,7 +37,7 @@ from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
 from protocol.config import url_problem
 from worker_shim.credit_check import SHORT_BELOW, CreditCheck
 
-__all__ = ["DEMO", "add_arguments", "check_out", "check_out_dir", "run"]
+__all__ = ["DEMO", "add_arguments", "check_non_negative", "check_out", "check_out_dir", "check_positive", "run"]
 
 OUT_DIR = Path("bench/out")
 
@@ -406,11 +406,36 @@ def check_out_dir(flag: str, out_dir: Path) -> None:
         raise ValueError(f"{flag} {out_dir}: not writable")
 
 
+def check_positive(flag: str, value: float) -> None:
+    """ValueError naming `flag` unless `value` is a finite number > 0, before anything runs."""
+    if not 0 < value < math.inf:  # NaN fails too
+        raise ValueError(f"{flag} must be > 0 and finite, got {value:g}")
+
+
+def check_non_negative(flag: str, value: float) -> None:
+    """ValueError naming `flag` unless `value` is a finite number >= 0, before anything runs."""
+    if not 0 <= value < math.inf:  # NaN fails too
+        raise ValueError(f"{flag} must be >= 0 and finite, got {value:g}")
+
+
 def _check_slo(args: argparse.Namespace) -> None:
     """Checked here, so that the message names the bench's flags, not the router's they become."""
-    for flag, value in (("--slo-ttft", args.slo_ttft), ("--slo-itl", args.slo_itl)):
-        if not 0 < value < math.inf:  # NaN fails too
-            raise ValueError(f"{flag} must be > 0 and finite, got {value:g}")
+    check_positive("--slo-ttft", args.slo_ttft)
+    check_positive("--slo-itl", args.slo_itl)
+
+
+# replay's, compare's and sweep's numbers that must be finite and > 0 (those each has): aiohttp
+# reads a --timeout of 0, a negative or NaN as no limit, the trace reader a NaN --duration as the
+# whole trace, and an infinite --speed, --speedup or --rate sends every request at once.
+_POSITIVE = ("--duration", "--speed", "--speedup", "--timeout", "--rate")
+
+
+def _check_workload_numbers(args: argparse.Namespace) -> None:
+    for flag in _POSITIVE:
+        if (value := getattr(args, flag[2:].replace("-", "_"), None)) is not None:
+            check_positive(flag, value)
+    if (gap := getattr(args, "turn_gap", None)) is not None:  # NaN seconds made NaN arrival times
+        check_non_negative("--turn-gap", gap)
 
 
 def _check_replay_urls(args: argparse.Namespace) -> None:
@@ -423,17 +448,11 @@ def _check_replay_urls(args: argparse.Namespace) -> None:
                 raise ValueError(f"{flag} {url!r}: {problem}")
 
 
-def _check_latency_scale(scale: float) -> None:
-    if not 0 < scale < math.inf:  # NaN fails too
-        raise ValueError(f"--latency-scale must be a finite number > 0, got {scale:g}")
-
-
 def _trace_items(args: argparse.Namespace) -> list[WorkItem]:
     trace = args.trace or shipped_trace()
     # `is None`, not `or`: an `or` default read 0 as unset (--scale-tokens 0 ran at 1.0)
     start = 0.0 if args.start is None else args.start
-    if not 0 <= start < math.inf:
-        raise ValueError(f"--start must be >= 0 and finite, got {start:g}")
+    check_non_negative("--start", start)
     records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=start)
     if not records:
         raise ValueError("the trace selection is empty (check --start/--duration/--limit)")
@@ -495,8 +514,6 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     config = CONFIGURATIONS.get(args.configuration)
     if config is None:
         raise ValueError(f"--configuration: unknown {args.configuration}; allowed: {', '.join(CONFIGURATIONS)}")
-    if not args.speed > 0:
-        raise ValueError(f"--speed must be > 0, got {args.speed}")
     check_prefill_engines(f"--prefill {args.prefill}", args.prefill, [config], args.router_arg)
     engine_len, raised = _max_model_len(args, items)
     slo = Slo(args.slo_ttft, args.slo_itl)
@@ -753,6 +770,8 @@ def _run(args: argparse.Namespace) -> int:
         _refuse_unread(args)
         if args.bench_command in ("replay", "summary", "compare", "sweep"):
             _check_slo(args)
+        if args.bench_command in ("replay", "compare", "sweep"):
+            _check_workload_numbers(args)
         if args.bench_command in ("compare", "sweep") or (args.bench_command == "replay" and args.clock == "virtual"):
             _check_engines(args)
         if args.bench_command == "replay":
@@ -760,7 +779,7 @@ def _run(args: argparse.Namespace) -> int:
                 if not args.url:
                     raise ValueError("--url is required (or --clock virtual)")
                 _check_replay_urls(args)
-                _check_latency_scale(args.latency_scale)
+                check_positive("--latency-scale", args.latency_scale)
             items = _replay_items(args)
             if args.clock == "virtual":
                 return _replay_virtual(args, items)
@@ -768,7 +787,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.bench_command == "summary":
             from bench.replay import read_results
 
-            _check_latency_scale(args.latency_scale)
+            check_positive("--latency-scale", args.latency_scale)
             results = read_results(args.results)
             if not results:
                 # A zero goodput printed with rc 0 reads as a measured figure.

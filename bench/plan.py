@@ -33,7 +33,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.cli import check_out
+from bench.cli import check_out, check_positive
 from bench.compare import CONFIGURATIONS, Configuration
 from bench.process_pool import process_pool
 from bench.sigterm import sigterm_unwinds
@@ -294,8 +294,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.duration is not None:
         positive.append(("--duration", args.duration))
     for flag, value in positive:
-        if not 0 < value < math.inf:  # NaN fails too
-            raise ValueError(f"{flag} must be > 0 and finite, got {value:g}")
+        check_positive(flag, value)
     if not 0 <= args.start < math.inf:
         raise ValueError(f"--start must be a finite number of seconds >= 0, got {args.start:g}")
     if args.jobs < 1:

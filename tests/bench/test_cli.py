@@ -63,7 +63,7 @@ def test_live_replay_needs_a_url_and_virtual_refuses_live_flags(capsys: pytest.C
     assert main(["bench", "replay", "--clock", "virtual", "--agg", "1", "--limit", "2", "--latency-scale", "2"]) == 2
     assert "--latency-scale is for --clock live only, not --clock virtual" in capsys.readouterr().err
     assert main(["bench", "replay", "--clock", "virtual", "--agg", "1", "--limit", "2", "--speed", "0"]) == 2
-    assert "--speed must be > 0, got 0.0" in capsys.readouterr().err
+    assert "--speed must be > 0 and finite, got 0" in capsys.readouterr().err
 
 
 def test_a_bad_delay_names_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -153,9 +153,9 @@ def _children_running(pid: int, command: str) -> bool:
         (["replay", "--url", "http://:80", "--limit", "1"], "--url 'http://:80': the URL names no host"),
         (["replay", "--url", "http://127.0.0.1:1", "--metrics-url", "ftp://x"], "--metrics-url 'ftp://x'"),
         (["replay", "--url", "http://127.0.0.1:1", "--trace", "/nonexistent"], "--trace /nonexistent: No such file"),
-        (["replay", "--url", "http://127.0.0.1:1", "--latency-scale", "-1"], "--latency-scale must be a finite"),
-        (["replay", "--url", "http://127.0.0.1:1", "--latency-scale", "inf"], "number > 0, got inf"),
-        (["summary", str(DATA), "--latency-scale", "inf"], "--latency-scale must be a finite number > 0, got inf"),
+        (["replay", "--url", "http://127.0.0.1:1", "--latency-scale", "-1"], "--latency-scale must be > 0 and fin"),
+        (["replay", "--url", "http://127.0.0.1:1", "--latency-scale", "inf"], "> 0 and finite, got inf"),
+        (["summary", str(DATA), "--latency-scale", "inf"], "--latency-scale must be > 0 and finite, got inf"),
         # read as unset by an `or` default, they ran at scale 1.0 and from 0 (plan's audit, 2026-12-06)
         (["sweep", "--scale-tokens", "0", "--limit", "5"], "--scale-tokens must be > 0 and finite, got 0"),
         (["compare", "--clock", "virtual", "--scale-tokens", "0", "--limit", "5"], "--scale-tokens must be > 0"),
@@ -179,6 +179,50 @@ def _not_run(*args: object, **kwargs: object) -> None:
 
 SWEEP = ["sweep", "--fleets", "1P+1D", "--rates", "1", "--configs", "kv", "--policy", "kv", "--jobs", "1"]
 COMPARE = ["compare", "--clock", "virtual", "--configs", "kv", "--prefill", "1", "--decode", "1", "--jobs", "1"]
+
+
+LIVE = ["replay", "--url", "http://127.0.0.1:1", "--limit", "2"]
+VIRTUAL = ["replay", "--clock", "virtual", "--agg", "1", "--limit", "2"]
+MULTI_TURN = [*VIRTUAL, "--workload", "multi-turn", "--sessions", "1", "--turns", "2"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # aiohttp's ClientTimeout reads 0, a negative or NaN as no limit at all
+        ([*LIVE, "--timeout", "0"], "--timeout must be > 0 and finite, got 0"),
+        ([*LIVE, "--timeout", "-1"], "--timeout must be > 0 and finite, got -1"),
+        ([*LIVE, "--timeout", "nan"], "--timeout must be > 0 and finite, got nan"),
+        ([*LIVE, "--timeout", "inf"], "--timeout must be > 0 and finite, got inf"),
+        # load_trace read a NaN --duration as the whole trace, a synthetic workload as none of it
+        ([*LIVE, "--duration", "nan"], "--duration must be > 0 and finite, got nan"),
+        ([*VIRTUAL, "--duration", "0"], "--duration must be > 0 and finite, got 0"),
+        ([*SWEEP, "--duration", "inf", "--limit", "2"], "--duration must be > 0 and finite, got inf"),
+        ([*COMPARE, "--duration", "-1", "--limit", "2"], "--duration must be > 0 and finite, got -1"),
+        # an infinite rate sent every request at once; the live --speed was checked after the output
+        ([*LIVE, "--speed", "nan"], "--speed must be > 0 and finite, got nan"),
+        ([*VIRTUAL, "--speed", "inf"], "--speed must be > 0 and finite, got inf"),
+        ([*MULTI_TURN, "--rate", "inf"], "--rate must be > 0 and finite, got inf"),
+        (["compare", "--configs", "kv", "--speedup", "nan", "--limit", "2"], "--speedup must be > 0 and finite"),
+        ([*MULTI_TURN, "--turn-gap", "nan"], "--turn-gap must be >= 0 and finite, got nan"),  # NaN arrivals
+        ([*MULTI_TURN, "--turn-gap", "inf"], "--turn-gap must be >= 0 and finite, got inf"),
+    ],
+)
+def test_a_number_read_as_no_limit_or_as_everything_is_refused_before_anything_runs(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each ran (review, 2026-12-07): a replay without a timeout, the whole trace, or all at once."""
+    import bench.compare
+    import bench.replay
+    import bench.sweep
+
+    for runner in ((bench.replay, "replay"), (bench.compare, "run_compare"), (bench.sweep, "_measure")):
+        monkeypatch.setattr(*runner, _not_run)
+    monkeypatch.setattr(fleet.VirtualFleet, "run", _not_run)
+    monkeypatch.chdir(tmp_path)  # the default bench/out, had it run
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize(
