@@ -202,9 +202,12 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError(name, value, _ENDPOINT_FORMS)
         if self.data_parallel_rank is not None:
             if self.engine != "vllm":
-                # SGLang's server info is checked for dp_size 1 at start (adapters/sglang.py says why)
+                # SGLang's server info is checked at start: dp_size 1 unless it caches (adapters/sglang.py)
                 way_out = (
-                    ": run SGLang with --dp-size 1, one server and shim per replica" if self.engine == "sglang" else ""
+                    ": drop the flag, one shim serves the whole SGLang server; one with a radix cache must run "
+                    "SGLang with --dp-size 1, one server and shim per replica"
+                    if self.engine == "sglang"
+                    else ""
                 )
                 raise ConfigError(
                     "data_parallel_rank",

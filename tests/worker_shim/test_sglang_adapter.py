@@ -62,10 +62,11 @@ def test_signed_page_hashes_normalise_to_the_canonical_chain() -> None:
 
 
 def test_block_stored_matches_sglangs_map_form() -> None:
-    """SGLang since PR #37482 (merged 2026-09) sends each event as a tagged msgpack map, merges a
-    radix node's consecutive pages into one BlockStored, and names `cache_salt` (and `session_id`)
-    on it: the same batches as the array fixture's hold the same blocks, and a salted chain is
-    salted as the router salts that cache_salt."""
+    """SGLang since PR #37482 (merged 2026-09) sends each event as a tagged msgpack map and names
+    `cache_salt` (and `session_id`) on BlockStored; its event recorder merges a radix node's
+    consecutive pages into one BlockStored (as it did in array-form releases): the same batches as
+    the array fixture's, one event per page, hold the same blocks, and a salted chain is salted as
+    the router salts that cache_salt."""
     maps = _replayed("zmq_events_map.jsonl")
     assert maps[:5] == _replayed("zmq_events_raw.jsonl")
     _, _, first = decode_pub_frames(frames(FIX / "zmq_events_map.jsonl")[0])
@@ -78,11 +79,13 @@ def test_block_stored_matches_sglangs_map_form() -> None:
 SALT = "tenant-a"
 TOKENS = list(range(10, 18))  # two pages of 4
 # SGLang's salted BlockStored (python/sglang/srt/disaggregation/kv_events.py BlockStoredWithMetadata):
-# its metadata map {"cache_salt"} after the positional fields, on every page of a salted request.
+# its metadata map {"cache_salt"} after the positional fields, on each event of a salted request.
 SHORT = [
     ["BlockStored", [-11], None, TOKENS[:4], 4, None, "GPU", {"cache_salt": SALT}],
     ["BlockStored", [-12], -11, TOKENS[4:], 4, None, "GPU", {"cache_salt": SALT}],
 ]
+# The same pages as an array-form KVCacheEventRecorder (mem_cache/events.py) sends them: merged.
+MERGED = [["BlockStored", [-11, -12], None, TOKENS, 4, None, "GPU", {"cache_salt": SALT}]]
 # The longer layout an SGLang test pins (vLLM's field order up to ownership, then the map; its
 # extra_keys hold the salt prefixed for another router).
 LONG = [
@@ -92,7 +95,7 @@ LONG = [
 ]
 
 
-@pytest.mark.parametrize("events", [SHORT, LONG], ids=["after-medium", "longer-layout"])
+@pytest.mark.parametrize("events", [SHORT, MERGED, LONG], ids=["after-medium", "merged-pages", "longer-layout"])
 def test_a_salted_chain_normalises_to_the_hashes_the_router_gives_that_cache_salt(events: list[object]) -> None:
     """The salt was ignored (the longer layout) or voided the whole batch (the map read as a
     lora_name): a salted request's cached prefix was never found, or credited to unsalted ones."""

@@ -27,10 +27,10 @@ BOTH_ROUTES = ("/server_info", "/get_server_info")  # a current SGLang serves it
 
 @asynccontextmanager
 async def _adapter(
-    routes: Mapping[str, object], role: ShimRole = "agg"
+    routes: Mapping[str, object], role: ShimRole = "agg", metrics: str | None = None
 ) -> AsyncIterator[tuple[SglangAdapter, list[str]]]:
-    """An SGLang adapter before an engine serving `routes` (a path: its JSON answer), and the
-    paths the engine was asked for."""
+    """An SGLang adapter before an engine serving `routes` (a path: its JSON answer) and, where
+    given, `metrics` on /metrics, and the paths the engine was asked for."""
     asked: list[str] = []
 
     async def generate(request: web.Request) -> web.Response:
@@ -54,6 +54,13 @@ async def _adapter(
     for path, answer in routes.items():
         app.router.add_get(path, answering(answer))
     app.router.add_post("/generate", generate)
+    if metrics is not None:
+        text = metrics
+
+        async def prometheus(request: web.Request) -> web.Response:
+            return web.Response(text=text)
+
+        app.router.add_get("/metrics", prometheus)
     async with served(app) as url:
         config = ShimConfig(
             engine="sglang",
@@ -105,7 +112,9 @@ async def test_a_dp_size_that_is_no_positive_integer_is_the_engines_protocol_err
 
 
 def test_a_rank_for_sglang_is_refused_naming_the_way_out() -> None:
-    with pytest.raises(ConfigError, match=r"only vLLM .*not sglang: run SGLang with --dp-size 1"):
+    with pytest.raises(
+        ConfigError, match=r"only vLLM .*not sglang: drop the flag.*radix cache must run SGLang with --dp-size 1"
+    ):
         ShimConfig(engine="sglang", model="m", kv_events="tcp://*:5557", data_parallel_rank=1).validate()
 
 
@@ -149,7 +158,7 @@ async def test_a_mode_sglang_has_no_name_for_is_the_engines_protocol_error() -> 
 
 
 async def test_the_canonical_server_info_is_read_and_its_deprecated_alias_only_where_it_is_missing() -> None:
-    """/get_server_info is /server_info's deprecated alias (sglang PR #14533), which logs a
+    """/get_server_info is /server_info's deprecated alias, which logs a
     deprecation warning per call and will be removed; until 2026-12-07 the shim read it alone."""
     async with _adapter({"/server_info": INFO, "/get_server_info": {**INFO, "page_size": 32}}) as (adapter, asked):
         assert (await adapter.limits()).block_size == 16
@@ -200,3 +209,135 @@ async def test_server_info_that_is_no_json_object_is_the_engines_protocol_error(
             await adapter.limits()
     assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
     assert "/server_info is not a JSON object" in caught.value.message
+
+
+def _dp(dp_size: int, **args: object) -> dict[str, Any]:
+    """Server info of a data-parallel server (DP attention, as upstream's P/D recipes run it)."""
+    return {**INFO, "dp_size": dp_size, "enable_dp_attention": True, **args}
+
+
+@pytest.mark.parametrize(
+    ("role", "args"),
+    [
+        # A P/D decode server: upstream resolves disable_radix_cache True without the decode flag.
+        ("decode", {"disaggregation_mode": "decode", "disable_radix_cache": True}),
+        # The flag without the cache resolved on is no cache; nor is the cache on without the flag.
+        (
+            "decode",
+            {
+                "disaggregation_mode": "decode",
+                "disable_radix_cache": True,
+                "disaggregation_decode_enable_radix_cache": True,
+            },
+        ),
+        ("decode", {"disaggregation_mode": "decode", "disable_radix_cache": False}),
+        ("agg", {"disable_radix_cache": True}),
+        ("prefill", {"disaggregation_mode": "prefill", "disable_radix_cache": True}),
+    ],
+)
+async def test_a_data_parallel_engine_without_a_radix_cache_is_served_whole_routed_by_load(
+    role: ShimRole, args: dict[str, object]
+) -> None:
+    """Such an engine publishes no KV event, and each rank reports its load on /metrics (summed).
+    Refused from 5ab0213 until 2026-12-07, where before it was served: the usual P/D decode fleet
+    (--dp-size 8 --enable-dp-attention) and an agg one with --disable-radix-cache exited 2."""
+    limits = await _limits(_dp(8, **args), role)
+    assert limits.prefix_caching is False
+    # max_total_num_tokens is rank 0's pool; each of the 8 ranks has one, and the load is theirs together.
+    assert limits.kv_total_blocks == 401408 // 16 * 8
+
+
+@pytest.mark.parametrize(
+    ("role", "args"),
+    [
+        ("agg", {"disable_radix_cache": False}),
+        ("agg", {}),  # args that do not say whether it caches: refused, as before
+        (
+            "decode",
+            {
+                "disaggregation_mode": "decode",
+                "disable_radix_cache": False,
+                "disaggregation_decode_enable_radix_cache": True,
+            },
+        ),
+        ("prefill", {"disaggregation_mode": "prefill", "disable_radix_cache": False}),
+    ],
+)
+async def test_a_data_parallel_engine_with_a_radix_cache_is_refused(role: ShimRole, args: dict[str, object]) -> None:
+    with pytest.raises(ConfigError) as caught:
+        await _limits(_dp(4, **args), role)
+    assert caught.value.setting == "engine_url"
+    said = "and no disable_radix_cache (whether it caches)" if not args else "with a radix cache"
+    assert f"reports dp_size 4 on /server_info {said}:" in str(caught.value)
+    assert "--disable-radix-cache" in str(caught.value)
+
+
+async def test_a_data_parallel_engines_load_is_its_ranks_together() -> None:
+    """Each rank whose attention TP rank is 0 reports on /metrics (one series per rank): the requests
+    are summed, the KV use is their mean, and the capacity is every rank's pool."""
+    ranks = 8
+    lines = []
+    for r in range(ranks):
+        labels = f'engine_type="decode",model_name="m",tp_rank="{r}",dp_rank="{r}"'
+        lines += [
+            f"sglang:num_running_reqs{{{labels}}} {10 + r}.0",
+            f"sglang:num_queue_reqs{{{labels}}} 1.0",
+            f"sglang:token_usage{{{labels}}} 0.5",
+            f"sglang:num_used_tokens{{{labels}}} 200704.0",
+        ]
+    info = _dp(ranks, disaggregation_mode="decode", disable_radix_cache=True)
+    async with _adapter(dict.fromkeys(BOTH_ROUTES, info), "decode", metrics="\n".join(lines) + "\n") as (adapter, _):
+        limits = await adapter.limits()
+        load = await adapter.load()
+    assert (load.running, load.waiting, load.kv_usage) == (sum(10 + r for r in range(ranks)), ranks, 0.5)
+    assert load.kv_total_blocks == limits.kv_total_blocks == 401408 // 16 * ranks
+
+
+RUST_INFO: dict[str, Any] = json.loads((FIX / "server_info_rust.json").read_text())
+MODEL_INFO = {"model_path": "/m", "served_model_name": "m", "is_generation": True, "weight_version": None}
+
+
+@pytest.mark.parametrize("role", ["agg", "prefill", "decode"])
+@pytest.mark.parametrize("mode", ["null", "prefill", "decode"])
+async def test_a_rust_frontends_mode_is_read_from_its_model_info(role: ShimRole, mode: str) -> None:
+    """SGLang's Rust HTTP frontend (SGLANG_RUST_SERVER=1) serves /server_info without the server
+    args, its mode on /model_info. Until 2026-12-07 read as an SGLang before P/D: --role decode and
+    prefill were refused as if the engine had no P/D, and --role agg before its decode engine accepted."""
+    routes = {"/server_info": RUST_INFO, "/model_info": {**MODEL_INFO, "disaggregation_mode": mode}}
+    async with _adapter(routes, role) as (adapter, asked):
+        if MODES[role] != mode:
+            with pytest.raises(ConfigError) as caught:
+                await adapter.limits()
+            assert caught.value.setting == "role"
+            assert f"runs disaggregation_mode {mode!r} (its /model_info)" in str(caught.value)
+        elif role == "prefill":  # its bootstrap port is no server arg it reports
+            with pytest.raises(ConfigError, match=r"no disaggregation_bootstrap_port .*SGLANG_RUST_SERVER=1"):
+                await adapter.limits()
+        else:
+            limits = await adapter.limits()
+            assert (limits.block_size, limits.prefix_caching) == (None, None)  # --block-size stands in
+    assert asked == ["/server_info", "/model_info"]
+
+
+async def test_a_rust_frontends_mode_is_read_from_the_older_model_info_route() -> None:
+    routes = {"/server_info": RUST_INFO, "/get_model_info": {**MODEL_INFO, "disaggregation_mode": "decode"}}
+    async with _adapter(routes, "decode") as (adapter, asked):
+        await adapter.limits()
+    assert asked == ["/server_info", "/model_info", "/get_model_info"]
+
+
+@pytest.mark.parametrize("role", ["agg", "prefill", "decode"])
+@pytest.mark.parametrize("model_info", [MODEL_INFO, None])
+async def test_a_rust_frontend_that_reports_no_mode_is_refused_naming_it(
+    role: ShimRole, model_info: dict[str, Any] | None
+) -> None:
+    """Its P/D mode unread, no role is safe: agg before a P/D engine sends requests without a room."""
+    info = {k: v for k, v in RUST_INFO.items() if k != "frontend"}  # told by its want of server args too
+    routes = {"/server_info": info} if model_info is None else {"/server_info": info, "/model_info": model_info}
+    with pytest.raises(ConfigError) as caught:
+        async with _adapter(routes, role) as (adapter, _):
+            await adapter.limits()
+    assert caught.value.setting == "engine_url"
+    unread = "serves neither /model_info nor /get_model_info" if model_info is None else "no disaggregation_mode on"
+    assert "without its server args (SGLang's Rust HTTP frontend, SGLANG_RUST_SERVER=1)" in str(caught.value)
+    assert unread in str(caught.value)

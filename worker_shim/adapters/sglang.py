@@ -4,28 +4,37 @@
   `BlockStored` with `block_size` = page size, hashes a chained SHA-256 cut to a *signed* int64
   (`hash_str_to_int64`), the first page's parent is the last page of the parent radix node (None
   under the root). Two wire forms, both read by the vLLM decoder (signed hashes are just other
-  opaque keys): before sglang PR #37482 (merged 2026-09) positional arrays, one event per page, a
-  salted request's `cache_salt` in a map after the positional fields (BlockStoredWithMetadata);
-  since, tagged msgpack maps (`{"type": "BlockStored", "block_hashes": ...}`), consecutive pages
-  merged into one event, `cache_salt` (and `session_id`, unused here) a field of BlockStored. The
-  salt salts the chain as the router salts such a prompt. Page size 1 (SGLang's default) makes
-  every token a block: register with the engine's page size, and expect a router to match per
-  token. Its PUB binds `*`, `::` and `0.0.0.0` endpoints (vLLM's connects to `0.0.0.0`); with a
-  `snapshot_endpoint` the live topic carries the publisher's epoch (both: zmq_events.py).
-- Server info: `GET /server_info`, else `/get_server_info` (its deprecated alias, sglang PR #14533;
-  an older SGLang has that alone): server args plus scheduler info. Checked at every session's
-  start (ConfigError, the shim exits): `dp_size` 1 (each data-parallel rank keeps its own cache
-  and publishes on its own port, endpoint + rank, and SGLang spreads requests over the ranks: one
-  shim would hear rank 0 alone), `disaggregation_mode` the role's (null for agg: a P/D engine
-  serves only requests with a bootstrap room, and a plain one ignores the bootstrap fields), and a
-  prefill role's `disaggregation_bootstrap_port` reported (what decode engines are told).
-- Limits from the server info: `page_size`, `max_total_num_tokens` (capacity in tokens),
-  `chunked_prefill_size` (the per-step prefill budget). Load from /metrics:
-  `sglang:num_running_reqs`, `sglang:num_queue_reqs`, and KV use as `sglang:num_used_tokens` over
-  `max_total_num_tokens`. SGLang rounds its own `sglang:token_usage` to two decimals: 1% of an
-  H200's pool is thousands of tokens, so one long decode could leave it still for minutes (the
-  stall watchdog would take the engine for hung) and free blocks were off by that much. The
-  rounded gauge stands in only where the exact pair is not one sample of each (DP ranks).
+  opaque keys): before sglang PR #37482 (merged 2026-09) positional arrays, a salted request's
+  `cache_salt` in a map after the positional fields (BlockStoredWithMetadata); since, tagged
+  msgpack maps (`{"type": "BlockStored", "block_hashes": ...}`), `cache_salt` (and `session_id`,
+  unused here) a field of BlockStored. One event per page or a radix node's consecutive pages in
+  one event: the older radix caches sent one per page, and the event recorder
+  (mem_cache/events.py, KVCacheEventRecorder.enqueue) merges them already in array-form releases;
+  the decoder takes both. The salt salts the chain as the router salts such a prompt. Page size 1
+  (SGLang's default) makes every token a block: register with the engine's page size, and expect
+  a router to match per token. Its PUB binds `*`, `::` and `0.0.0.0` endpoints (vLLM's connects
+  to `0.0.0.0`); with a `snapshot_endpoint` the live topic carries the publisher's epoch (both:
+  zmq_events.py).
+- Server info: `GET /server_info`, else `/get_server_info` (its deprecated alias, all an older
+  SGLang serves): server args plus scheduler info. Checked at every session's start
+  (ConfigError, the shim exits): `dp_size` 1 unless the engine caches nothing (each
+  data-parallel rank keeps its own cache and publishes on its own port, endpoint + rank, and
+  SGLang spreads requests over the ranks: one shim would hear rank 0 alone; a server without a
+  radix cache, a P/D decode server's default, publishes nothing and is routed by load, which
+  /metrics gives per rank), `disaggregation_mode` the role's (null for agg: a P/D engine serves
+  only requests with a bootstrap room, and a plain one ignores the bootstrap fields), and a
+  prefill role's `disaggregation_bootstrap_port` reported (what decode engines are told). SGLang's
+  Rust HTTP frontend (SGLANG_RUST_SERVER=1) serves a fixed subset without the server args: its
+  mode is read from `/model_info` (else `/get_model_info`), and an engine that reports it nowhere
+  is refused.
+- Limits from the server info: `page_size`, `max_total_num_tokens` (capacity in tokens, rank 0's:
+  times `dp_size` for the server's), `chunked_prefill_size` (the per-step prefill budget). Load
+  from /metrics: `sglang:num_running_reqs`, `sglang:num_queue_reqs` (each summed over the ranks),
+  and KV use as `sglang:num_used_tokens` over `max_total_num_tokens`. SGLang rounds its own
+  `sglang:token_usage` to two decimals: 1% of an H200's pool is thousands of tokens, so one long
+  decode could leave it still for minutes (the stall watchdog would take the engine for hung) and
+  free blocks were off by that much. The rounded gauge (its mean over the ranks) stands in only
+  where the exact pair is not one sample of each (DP ranks).
 - P/D (sgl-model-gateway's protocol): both legs carry the same `bootstrap_host`,
   `bootstrap_port`, `bootstrap_room` and must run concurrently, as the prefill server waits for its
   decode peer. So the prefill leg starts the prefill request in the background and returns the
@@ -76,6 +85,7 @@ from worker_shim.engine_kind import check_engine_kind
 from worker_shim.prom_text import as_count, mean_samples, parse_samples, repeated_series, sum_samples
 
 __all__ = [
+    "MODEL_INFO_PATHS",
     "SERVER_INFO_PATHS",
     "SglangAdapter",
     "StreamFolder",
@@ -85,14 +95,20 @@ __all__ = [
     "limits_from_server_info",
     "load_from_metrics",
     "openai_body",
+    "prefix_caching",
+    "without_server_args",
 ]
 
 log = logging.getLogger(__name__)
 _LOAD = ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage")
 _USED = "sglang:num_used_tokens"
 _METRICS = frozenset({*_LOAD, _USED})
-# The canonical route first; then its deprecated alias, all an SGLang before PR #14533 serves.
+# The canonical route first; then its deprecated alias, all an older SGLang serves.
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+# Where the Rust HTTP frontend, whose server info has no server args, reports its P/D mode (both serve it).
+MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
+# Server args every Python-served server info has, and the Rust frontend's has none of.
+_SERVER_ARGS = ("dp_size", "page_size", "disaggregation_mode")
 # server_args.disaggregation_mode for each --role ("null": no P/D).
 _MODE_OF_ROLE: dict[str, str] = {"agg": "null", "prefill": "prefill", "decode": "decode"}
 _ROLE_OF_MODE = {mode: role for role, mode in _MODE_OF_ROLE.items()}
@@ -124,48 +140,80 @@ def limits_from_server_info(info: dict[str, Any], path: str = SERVER_INFO_PATHS[
             "engine_protocol",
             f"the engine's {path} chunked_prefill_size is {budget!r}, not an integer (-1 or 0: chunked prefill off)",
         )
-    # The server's args: --disable-radix-cache (common on P/D decode workers) caches and publishes nothing.
-    radix_off = info.get("disable_radix_cache")
+    # max_total_num_tokens is rank 0's pool; each data-parallel rank has one of its own, and the load
+    # (running, waiting, the mean KV use) is the whole server's, so the capacity is too.
+    ranks = engine_limit(info.get("dp_size"), f"{path} dp_size") or 1
     return EngineLimits(
         block_size=page,
-        kv_total_blocks=tokens // page if tokens is not None and page is not None else None,
+        kv_total_blocks=tokens // page * ranks if tokens is not None and page is not None else None,
         max_num_batched_tokens=budget if budget is not None and budget > 0 else None,
-        prefix_caching=not radix_off if isinstance(radix_off, bool) else None,
+        prefix_caching=prefix_caching(info),
     )
 
 
-def check_server_info(info: dict[str, Any], path: str, role: ShimRole, url: str) -> None:
+def prefix_caching(info: dict[str, Any]) -> bool | None:
+    """Whether the engine keeps a radix cache (and so publishes KV events), as its server args say;
+    None where they do not. --disable-radix-cache turns it off, and a P/D decode server runs without
+    one unless started with --disaggregation-decode-enable-radix-cache, from which server_args.py
+    resolves its disable_radix_cache ("KV cache is forced as chunk cache for decode server"): a
+    decode server caches only where both say so."""
+    radix_off = info.get("disable_radix_cache")
+    if not isinstance(radix_off, bool):
+        return None
+    if info.get("disaggregation_mode") == "decode":
+        return info.get("disaggregation_decode_enable_radix_cache") is True and not radix_off
+    return not radix_off
+
+
+def without_server_args(info: dict[str, Any]) -> bool:
+    """Whether the server info lacks SGLang's server args: its Rust HTTP frontend (SGLANG_RUST_SERVER=1,
+    `frontend` "rust") serves a fixed subset (model, context and KV capacity, version, internal
+    states), with neither the P/D mode nor dp_size nor page_size."""
+    return info.get("frontend") == "rust" or not any(name in info for name in _SERVER_ARGS)
+
+
+def check_server_info(info: dict[str, Any], path: str, role: ShimRole, url: str, mode_path: str | None = None) -> None:
     """ConfigError where the engine at `url` is one this shim cannot serve in `role`, as its server
-    info (read on `path`) says; EngineError (502 `engine_protocol`) naming a field that is no value
-    SGLang gives it. Until 2026-12-07 neither was read:
-    - `dp_size` > 1: each data-parallel rank keeps a cache of its own and publishes its KV events on
-      the endpoint's port + rank (disaggregation/kv_events.py), and SGLang spreads requests over
-      the ranks, so the shim heard rank 0 alone and routers credited rank 0's prefixes to requests
-      any rank served. Refused rather than served a rank per shim: pinning legs (`routed_dp_rank`)
-      would leave the load, capacity, probes and P/D bootstrap (the prefill rank a decode engine
-      pulls from) still the whole server's;
+    info (read on `path`; its mode on `mode_path` where given, a Rust frontend's /model_info) says;
+    EngineError (502 `engine_protocol`) naming a field that is no value SGLang gives it. Until
+    2026-12-07 neither was read:
+    - `dp_size` > 1 on an engine that caches (prefix_caching not False): each data-parallel rank
+      keeps a cache of its own and publishes its KV events on the endpoint's port + rank
+      (disaggregation/kv_events.py), and SGLang spreads requests over the ranks, so the shim heard
+      rank 0 alone and routers credited rank 0's prefixes to requests any rank served. Refused
+      rather than served a rank per shim: pinning legs (`routed_dp_rank`) would leave the load,
+      capacity, probes and P/D bootstrap (the prefill rank a decode engine pulls from) still the
+      whole server's. An engine without a radix cache (a P/D decode server's default) publishes
+      nothing, and its load is the sum of its ranks' (each reports on /metrics): served whole,
+      routed by load alone;
     - `disaggregation_mode` other than the role's: a prefill or decode engine cannot serve a
       request without a bootstrap room (a decode waits for a prefill peer that never comes; the
       data-parallel controller asserts one), so a shim without --role sent it every request, its
       own alive probe too; and a plain engine ignores the bootstrap fields, so a P/D role on one
-      paired nothing. An info without the field is an SGLang before P/D: it serves --role agg only."""
+      paired nothing. Server info with server args but no `disaggregation_mode` is an SGLang
+      before P/D: it serves --role agg only."""
     dp = engine_limit(info.get("dp_size"), f"{path} dp_size")
-    if dp is not None and dp > 1:
+    caches = prefix_caching(info)
+    if dp is not None and dp > 1 and caches is not False:
+        cache = "with a radix cache" if caches else "and no disable_radix_cache (whether it caches)"
         raise ConfigError(
             "engine_url",
             url,
-            f"the SGLang engine there reports dp_size {dp} on {path}: its {dp} data-parallel ranks each keep a "
-            "cache of their own and publish KV events on a port of their own (the endpoint's + rank), and SGLang "
-            "spreads requests over them, so one shim would index rank 0's cache as the whole server's. Run SGLang "
-            "with --dp-size 1 (the default): one server per replica, each with a shim of its own, and the routers "
-            "balance over them",
+            f"the SGLang engine there reports dp_size {dp} on {path} {cache}: its {dp} data-parallel "
+            "ranks each keep a cache of their own and publish KV events on a port of their own (the endpoint's + "
+            "rank), and SGLang spreads requests over them, so one shim would index rank 0's cache as the whole "
+            "server's. Run SGLang with --dp-size 1 (the default): one server per replica, each with a shim of its "
+            "own, and the routers balance over them (a server started with --disable-radix-cache, or a P/D decode "
+            "server without --disaggregation-decode-enable-radix-cache, caches nothing and is served whole, routed "
+            "by load)",
         )
     mode = info.get("disaggregation_mode")
+    mode_path = mode_path or path
     if mode is not None and mode not in _ROLE_OF_MODE:
         raise EngineError(
             502,
             "engine_protocol",
-            f"the engine's {path} disaggregation_mode is {mode!r}, not one of {', '.join(_ROLE_OF_MODE)}",
+            f"the engine's {mode_path} disaggregation_mode is {mode!r}, not one of {', '.join(_ROLE_OF_MODE)}",
         )
     want = _MODE_OF_ROLE[role]
     if mode == want or (mode is None and role == "agg"):
@@ -178,7 +226,7 @@ def check_server_info(info: dict[str, Any], path: str, role: ShimRole, url: str)
         )
     else:
         why = (
-            f"the SGLang engine at {url} runs disaggregation_mode {mode!r} (its {path}): give --role "
+            f"the SGLang engine at {url} runs disaggregation_mode {mode!r} (its {mode_path}): give --role "
             f"{_ROLE_OF_MODE[mode]}, or point --engine-url at an engine started {started}"
         )
     raise ConfigError("role", role, why)
@@ -195,12 +243,18 @@ def bootstrap_port_from_server_info(info: dict[str, Any], path: str, role: ShimR
             502, "engine_protocol", f"the engine's {path} disaggregation_bootstrap_port is {port!r}, not a port"
         )
     if port is None and role == "prefill":
+        way_out = (
+            "run the prefill engine with SGLang's Python HTTP server (without SGLANG_RUST_SERVER=1): its Rust "
+            "frontend reports no server args"
+            if without_server_args(info)
+            else "point --engine-url at the prefill engine's own HTTP server (an SGLang reports the port among "
+            "its server args)"
+        )
         raise ConfigError(
             "role",
             role,
             f"the SGLang engine at {url} reports no disaggregation_bootstrap_port on {path}, so decode engines "
-            "cannot be told where its bootstrap server listens: point --engine-url at the prefill engine's own "
-            "HTTP server (an SGLang reports the port among its server args)",
+            f"cannot be told where its bootstrap server listens: {way_out}",
         )
     return port
 
@@ -446,7 +500,10 @@ class SglangAdapter(ZmqEventsAdapter):
         (check_server_info, and a prefill engine's bootstrap port)."""
         info, path = await self._server_info()
         c = self.config
-        check_server_info(info, path, c.role, c.engine_url)
+        mode_path = None
+        if without_server_args(info):
+            info, mode_path = await self._rust_frontend_mode(info, path)
+        check_server_info(info, path, c.role, c.engine_url, mode_path)
         self._bootstrap_port = port = bootstrap_port_from_server_info(info, path, c.role, c.engine_url)
         if port is not None:
             self._say_loopback(port)
@@ -461,17 +518,8 @@ class SglangAdapter(ZmqEventsAdapter):
         whose engine's mode and bootstrap port cannot be read then; else the 404 (no limits
         reported: the flags stand in). An answer that is no JSON object is the engine's protocol
         error: until 2026-12-07 it read as no limits reported."""
-        for path in SERVER_INFO_PATHS:
-            try:
-                raw = await self.fetch(path)
-            except EngineError as exc:
-                if exc.code == 404:
-                    continue
-                raise
-            try:
-                return _object(msgspec.json.decode(raw), f"the engine's {path}"), path
-            except msgspec.DecodeError as exc:
-                raise EngineError(502, "engine_protocol", f"the engine's {path} is no JSON: {exc}") from exc
+        if (found := await self._first_object(SERVER_INFO_PATHS)) is not None:
+            return found
         await self._check_kind()
         neither = f"{self.base} serves neither {' nor '.join(SERVER_INFO_PATHS)}"
         role = self.config.role
@@ -483,6 +531,44 @@ class SglangAdapter(ZmqEventsAdapter):
                 f"{neither}, so {unread} cannot be read: point --engine-url at the SGLang engine's own HTTP server",
             )
         raise EngineError(404, "engine_error", neither)
+
+    async def _rust_frontend_mode(self, info: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
+        """`info` with the P/D mode its engine reports on its model info, and that path. ConfigError
+        where it reports none: until 2026-12-07 such server info (SGLang's Rust HTTP frontend) read as
+        an SGLang before P/D, so a P/D role was refused as if the engine had none, and --role agg
+        was accepted before a P/D engine."""
+        found = await self._first_object(MODEL_INFO_PATHS)
+        if found is not None and found[0].get("disaggregation_mode") is not None:
+            return {**info, "disaggregation_mode": found[0]["disaggregation_mode"]}, found[1]
+        unread = (
+            f"reports no disaggregation_mode on {found[1]}"
+            if found is not None
+            else f"serves neither {' nor '.join(MODEL_INFO_PATHS)}"
+        )
+        raise ConfigError(
+            "engine_url",
+            self.config.engine_url,
+            f"the SGLang engine there serves {path} without its server args (SGLang's Rust HTTP frontend, "
+            f"SGLANG_RUST_SERVER=1) and {unread}, so whether it runs P/D cannot be read: run it with SGLang's "
+            "Python HTTP server (without SGLANG_RUST_SERVER=1), or an SGLang whose /model_info reports "
+            "disaggregation_mode",
+        )
+
+    async def _first_object(self, paths: tuple[str, ...]) -> tuple[dict[str, Any], str] | None:
+        """The JSON object the first of `paths` the engine serves answers, and that path; None where
+        each answers 404. An answer that is no JSON object is the engine's protocol error."""
+        for path in paths:
+            try:
+                raw = await self.fetch(path)
+            except EngineError as exc:
+                if exc.code == 404:
+                    continue
+                raise
+            try:
+                return _object(msgspec.json.decode(raw), f"the engine's {path}"), path
+            except msgspec.DecodeError as exc:
+                raise EngineError(502, "engine_protocol", f"the engine's {path} is no JSON: {exc}") from exc
+        return None
 
     async def _check_kind(self) -> None:
         """ConfigError when /metrics is another kind of engine's (a vLLM's `vllm:` series); an
