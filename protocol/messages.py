@@ -318,6 +318,13 @@ class GenerateRequest(_Msg, kw_only=True):
     # Request headers the engine reads, as the client sent them (ENGINE_HEADERS only): vLLM takes
     # a priority and a session id from headers as well as from the body.
     headers: dict[str, str] = {}
+    # A prefill leg's router takes its TransferHandle from a chunk before the final one, and the
+    # final chunk as the engine's own outcome of the prefill. A shim whose engine needs the decode
+    # leg running before its prefill can end (SGLang's waits for its decode peer) then sends the
+    # handle at once and keeps the leg open until the engine is done; asked by no router (one of
+    # before 2026-12-07), it sends the handle in its final chunk at once and the router never hears
+    # how that prefill ended.
+    early_transfer: bool = False
 
 
 # vLLM 0.32's (entrypoints/generate/base/serving.py: PRIORITY_HEADER, SESSION_ID_HEADER).
@@ -377,7 +384,9 @@ class ResponseChunk(_Msg, kw_only=True):
     """Shim -> router on the request's reply subject. `seq` counts chunks from 0 per leg; the last
     chunk has `final` set and carries `finish_reason`, `usage` and, for a prefill leg, `transfer`;
     or `error` when the leg failed. A chunk with no tokens that is not final is a heartbeat
-    (GenerateRequest.heartbeat_s)."""
+    (GenerateRequest.heartbeat_s), unless it carries `transfer`: a prefill leg whose request asked
+    for `early_transfer` may send its handle so, before its engine is done, and its final chunk
+    (the handle again, or `error`) then says how the engine's prefill ended."""
 
     request_id: str
     seq: int

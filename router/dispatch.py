@@ -21,7 +21,11 @@ the leg ends with a `final` chunk or an `error` one.
   answer. One it serves is the fallback (outcome fallback_prefill_refused), put down to the prefill
   worker (counted per worker in `refusals_overruled`, logged once per worker), which stays
   routable; one it refuses too fell back from nothing and keeps its plan's outcome. A 404, a model
-  (a LoRA adapter) the prefill worker no longer serves, falls back as a failure.
+  (a LoRA adapter) the prefill worker no longer serves, falls back as a failure. A prefill leg
+  asks for its handle early (GenerateRequest.early_transfer): a shim whose engine waits for the
+  decode leg (SGLang) sends it before its final chunk, the decode leg goes at once, and
+  router.prefill_watch reads the rest of the prefill leg beside it; a failure there before the
+  decode leg shows output cancels that leg, waits for its end, and takes the same ways as above.
 - bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
 - a decode/agg leg whose worker dies (no responder, its etcd key gone, silent, a 5xx error chunk)
   or answers 404 (an adapter unloaded there) before the first token is retried once on the
@@ -108,6 +112,7 @@ from router.eligibility import MALFORMED_COOLDOWN_S
 from router.fleet_lines import FleetLines, FleetLog
 from router.leg import MAX_ANSWER_BYTES, SLOW_READER, Leg, LegError, time_up
 from router.policies import Outcome, Path
+from router.prefill_watch import PrefillWatch
 from router.tracing import RequestTracer
 from runtime import guarded
 
@@ -219,11 +224,13 @@ def _generated(chunk: ResponseChunk) -> bool:
 _OLD_BAD_HANDLE = "the prefill leg returned kv_transfer_params with "
 
 
-def _prefill_fault(exc: LegError, timeout_s: float, left_s: float) -> tuple[str, bool] | None:
+def _prefill_fault(exc: LegError, timeout_s: float, left_s: float, *, handed: bool = False) -> tuple[str, bool] | None:
     """Why a failed prefill leg is its worker's fault, with the likely fix, and whether its engine
     still serves whole requests (it only returned no transfer handle, or one no decode engine would
     pull with); None when it is not its fault (the client's deadline, a refusal, a model unloaded)
-    or is judged elsewhere (silent, malformed)."""
+    or is judged elsewhere (silent, malformed). `handed`: its handle came before its end (an SGLang
+    prefill, router.prefill_watch), and its engine waits on its decode peer too: out of time, it
+    is the pair's, not the prefill worker's alone."""
     # a handle there, its engine's flags right: no --kv-transfer-config advice
     if exc.kind == BAD_TRANSFER_HANDLE or (exc.kind == "engine_protocol" and exc.message.startswith(_OLD_BAD_HANDLE)):
         return (
@@ -235,8 +242,8 @@ def _prefill_fault(exc: LegError, timeout_s: float, left_s: float) -> tuple[str,
         return None  # its one token was an EOS or a stop id: the request's, the engine answered
     # "deadline": the shim enforced the leg's deadline on its own clock before the router's timer fired
     if exc.kind in ("timeout", "deadline"):
-        if timeout_s > left_s:
-            return None  # the client's deadline came first
+        if timeout_s > left_s or handed:
+            return None  # the client's deadline came first, or the decode peer kept it waiting
         return f"no prefill answer within prefill_timeout_s ({timeout_s:g}s): its engine hangs or is overloaded", False
     if exc.kind == "no_transfer" or (exc.kind == "engine_protocol" and "kv_transfer_params" in exc.message):
         return (
@@ -260,6 +267,23 @@ class _Cancelled:
 
 def _nothing(*_: object) -> None:  # a leg's on_end too
     pass
+
+
+class _PrefillFailed(Exception):
+    """A decode leg's prefill, read on beside it (router.prefill_watch), failed before the leg showed
+    output: the leg is cancelled and ended, and the attempt takes the bypass path (_after_prefill)."""
+
+
+async def _cut_short(leg: Leg, chunk: ResponseChunk, until: float, silence_s: float) -> None:
+    """Read a cancelled decode leg, from `chunk`, to its end (the shim's answer to the cancel, after
+    its engine's abort), dropping what it sends, until `until` at most (time.monotonic()): its
+    bypass leg goes to the same worker under the same request id, which the shim refuses (409)
+    while the cancelled one is still in flight there."""
+    while not chunk.final:
+        try:
+            chunk = await leg.next(until - time.monotonic(), silence_s)
+        except LegError:
+            return  # ended with an error, or not heard of in time: cancelled again as it is left
 
 
 class Dispatcher:
@@ -738,28 +762,49 @@ class Dispatcher:
         )
 
     async def _attempt(self, job: Job, plan: RoutePlan) -> AsyncGenerator[ResponseChunk, None]:
+        watch: PrefillWatch | None = None
+        try:
+            if plan.path is Path.REMOTE and plan.prefill is not None:
+                try:
+                    prefilled = await self._prefill(job, plan)
+                except LegError as exc:
+                    if exc.kind != HANDLE_TOO_LARGE:
+                        raise
+                    self._handle_too_large(job, plan, exc)  # decided before the prefill leg went out
+                else:
+                    if prefilled is not None:  # else it fell back (_prefill)
+                        job.transfer, watch = prefilled
+            async with contextlib.aclosing(self._after_prefill(job, plan, watch)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            if watch is not None:
+                await watch.close()
+
+    async def _after_prefill(
+        self, job: Job, plan: RoutePlan, watch: PrefillWatch | None
+    ) -> AsyncGenerator[ResponseChunk, None]:
+        """The attempt's decode leg, and the fallbacks from it. `watch`: its prefill leg, read on
+        beside the decode leg (router.prefill_watch); closed before any fallback, whose own leg it
+        must not cut."""
         req = job.request
         annotations = [a for a in req.annotations if a != ANNOTATION_BYPASS]
-        if plan.path is Path.REMOTE and plan.prefill is not None:
-            try:
-                job.transfer = await self._prefill(job, plan)
-            except LegError as exc:
-                if exc.kind != HANDLE_TOO_LARGE:
-                    raise
-                self._handle_too_large(job, plan, exc)  # decided before the prefill leg went out
-            else:
-                if job.transfer is not None:  # else it fell back (_prefill)
-                    # The prefill worker's part only: the decode worker's blocks count until its own first
-                    # token (or `prefilled`), as its engine may keep the request waiting for KV room. Not
-                    # where d's engine announces no blocks (no prefix caching) and the answer comes whole:
-                    # no `prefilled` comes, and d's booking would count on top of its reports to the end.
-                    scoped = plan.decode.info.prefix_caching or job.request.stream
-                    self._bookings.prefill_done(plan.key, plan.prefill.worker if scoped else None)
         try:
+            async with contextlib.aclosing(self._decode(job, plan, annotations, watch)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except _PrefillFailed:
+            assert watch is not None and watch.failure is not None
+            failure, left = watch.failure, watch.left_s
+            await watch.close()
+            job.drop_held()  # the fallback sends its own
+            self._prefill_failed(job, plan, failure, left, handed=True)
             async with contextlib.aclosing(self._decode(job, plan, annotations)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except LegError as exc:
+            if watch is not None:
+                await watch.close()
             if job.transfer is not None and job.first_token_at is None and exc.kind == PAYLOAD_TOO_LARGE:
                 # Refused before it was sent: a handle larger than its bound. The bypass leg, no
                 # larger than the prefill leg that went, carries the prompt.
@@ -812,8 +857,14 @@ class Dispatcher:
             )
         return sent_to
 
-    async def _decode(self, job: Job, plan: RoutePlan, annotations: list[str]) -> AsyncGenerator[ResponseChunk, None]:
-        """The decode (or agg) leg of an attempt, fed by `job.transfer` when it has one."""
+    async def _decode(
+        self, job: Job, plan: RoutePlan, annotations: list[str], watch: PrefillWatch | None = None
+    ) -> AsyncGenerator[ResponseChunk, None]:
+        """The decode (or agg) leg of an attempt, fed by `job.transfer` when it has one. `watch`: the
+        prefill leg still running beside it; _PrefillFailed once it failed before this leg showed
+        output, this leg cancelled and ended (or its end not heard within three heartbeats)."""
+        if watch is not None and watch.failure is not None:
+            raise _PrefillFailed  # before this leg went: nothing to cut
         # a request spilled to a prefill worker is an agg leg there: every shim serves all three roles
         role = "decode" if plan.decode.info.role == "decode" else "agg"
         if role == "decode" and job.transfer is None:
@@ -839,8 +890,18 @@ class Dispatcher:
             async with await self._open(
                 plan.decode.worker, role, leg_req, job.deadline, lambda served: self._free(job, served=served)
             ) as leg:
+                if watch is not None:
+                    await watch.feeding(leg)
                 while True:
-                    chunk = await leg.next(job.deadline - time.monotonic(), silence)
+                    try:
+                        chunk = await leg.next(job.deadline - time.monotonic(), silence)
+                    except LegError:
+                        if watch is None or not watch.cut:
+                            raise
+                        raise _PrefillFailed from None  # it ended on its own meanwhile
+                    if watch is not None and watch.cut_at is not None:  # its prefill failed: cut
+                        await _cut_short(leg, chunk, min(job.deadline, watch.cut_at + silence), silence)
+                        raise _PrefillFailed
                     generated = _generated(chunk)
                     if not generated and job.first_token_at is None and not chunk.final and _output(chunk):
                         job.held_bytes += sum(map(len, chunk.events))
@@ -910,10 +971,12 @@ class Dispatcher:
                 decode,
             )
 
-    async def _prefill(self, job: Job, plan: RoutePlan) -> TransferHandle | None:
-        """The prefill leg's transfer handle, or None when the bypass takes over (fallen back to: its
-        outcome counted). A leg refused before it is sent is raised: NATS would not carry the bypass
-        leg either, and a decode leg too large for its handle takes the bypass path (_attempt)."""
+    async def _prefill(self, job: Job, plan: RoutePlan) -> tuple[TransferHandle, PrefillWatch | None] | None:
+        """The prefill leg's transfer handle, with the watch reading the rest of the leg where the
+        handle came before its end (router.prefill_watch); or None when the bypass takes over (fallen
+        back to: its outcome counted). A leg refused before it is sent is raised: NATS would not carry
+        the bypass leg either, and a decode leg too large for its handle takes the bypass path
+        (_attempt)."""
         assert plan.prefill is not None
         worker = plan.prefill.worker
         req = job.request
@@ -925,52 +988,94 @@ class Dispatcher:
             annotations=[a for a in req.annotations if a != ANNOTATION_BYPASS],
             disagg=None,
             heartbeat_s=settings.stream_heartbeat_s,
+            early_transfer=True,
         )
         left = job.deadline - time.monotonic()
         until = time.monotonic() + min(settings.prefill_timeout_s, left)
         # Its decode leg is this one with the handle in `disagg` (_decode): room kept for that
         keep = transfer_handle_bound(plan.prefill.info, len(req.token_ids), plan.prefill.kv_total_blocks)
         opened = await self._open(worker, "prefill", leg_req, until, keep=keep + _DECODE_LEG_EXTRA)
+        silence = 3 * settings.stream_heartbeat_s
         try:
-            async with opened as leg:
+            async with contextlib.AsyncExitStack() as stack:
+                leg = await stack.enter_async_context(opened)
                 while True:
-                    chunk = await leg.next(until - time.monotonic(), 3 * settings.stream_heartbeat_s)
+                    chunk = await leg.next(until - time.monotonic(), silence)
                     if chunk.final:
                         if chunk.transfer is None:
                             why = "final chunk without a transfer"
                             raise LegError(worker, 502, "no_transfer", why, retryable=False, role="prefill")
-                        self._on_prefill(worker, None, True)
-                        return chunk.transfer
+                        self._prefill_worked(job, plan)
+                        return chunk.transfer, None
+                    if chunk.transfer is not None:  # before its engine is done (SGLang): read on beside the decode leg
+                        watch = PrefillWatch(
+                            leg,
+                            stack.pop_all(),
+                            until=until,
+                            silence_s=silence,
+                            left_s=left,
+                            on_done=lambda: self._prefill_worked(job, plan),
+                            cut=self._cut,
+                        )
+                        return chunk.transfer, watch
         except LegError as exc:
-            if exc.nats_lost:
-                raise
-            if exc.refused and not exc.unknown_model:
-                # Its engine refused the request before any prefill. The decode engine has its say:
-                # one started with other flags takes what this one does not (vLLM's tool choice
-                # "auto" needs --enable-auto-tool-choice), and a request it refuses too costs no
-                # prefill there either; its answer, served or refused, is the client's.
-                job.prefill_refused = (worker, exc.message)  # judged, and counted, by its decode leg (_decode)
-                self._to_bypass(job, plan)
-                return None
-            fault = _prefill_fault(exc, settings.prefill_timeout_s, left)
-            if fault is not None and not exc.engine_failed:
-                self._on_prefill(worker, *fault)
-            if time_up(job.deadline):
-                # No time for the bypass leg: the request ends with this leg's error (blamed by run),
-                # a 504 naming this worker where it ran out the time, not the decode worker's unsent
-                # leg's. A 5xx stays unjudged: only a fallback that serves puts it down to the worker.
-                raise
-            self._blame(exc)
-            if fault is not None and exc.engine_failed:
-                job.prefill_error = (worker, fault[0])  # judged by the fallback (_decode, run)
-            if not exc.malformed:  # that one is logged once per worker (_blame), not per request
-                log.warning(
-                    "request %s: remote prefill failed (%s); falling back to local prefill on %s",
-                    req.request_id,
-                    exc,
-                    plan.decode.worker,
-                    extra={"request_id": req.request_id},
-                )
-            self.fallbacks += 1
-            self._fall_back(job, plan, Outcome.FALLBACK_PREFILL_FAILED)
+            self._prefill_failed(job, plan, exc, left)
             return None
+
+    def _prefill_worked(self, job: Job, plan: RoutePlan) -> None:
+        """The attempt's prefill leg ended well: its worker worked, and its booking there settles."""
+        assert plan.prefill is not None
+        self._on_prefill(plan.prefill.worker, None, True)
+        # The prefill worker's part only: the decode worker's blocks count until its own first
+        # token (or `prefilled`), as its engine may keep the request waiting for KV room. Not
+        # where d's engine announces no blocks (no prefix caching) and the answer comes whole:
+        # no `prefilled` comes, and d's booking would count on top of its reports to the end.
+        scoped = plan.decode.info.prefix_caching or job.request.stream
+        self._bookings.prefill_done(plan.key, plan.prefill.worker if scoped else None)
+
+    async def _cut(self, leg: Leg) -> None:
+        """Cancel a decode leg whose prefill failed before it showed output. Its end frees nothing:
+        its attempt's booking goes on with the bypass leg that follows (_after_prefill)."""
+        leg.on_end = _nothing
+        await self._publish_cancel(leg.worker, leg.request_id)
+
+    def _prefill_failed(self, job: Job, plan: RoutePlan, exc: LegError, left: float, *, handed: bool = False) -> None:
+        """The attempt's prefill leg failed with `exc` (`left`: the request's time as it went;
+        `handed`: after its handle came, router.prefill_watch): the bypass takes over, its outcome
+        counted (or, for an engine's refusal, judged by the decode leg); `exc` is raised where none can
+        (NATS lost, the request's time up)."""
+        assert plan.prefill is not None
+        worker = plan.prefill.worker
+        req = job.request
+        settings = self._settings()
+        if exc.nats_lost:
+            raise exc
+        if exc.refused and not exc.unknown_model:
+            # Its engine refused the request before any prefill. The decode engine has its say:
+            # one started with other flags takes what this one does not (vLLM's tool choice
+            # "auto" needs --enable-auto-tool-choice), and a request it refuses too costs no
+            # prefill there either; its answer, served or refused, is the client's.
+            job.prefill_refused = (worker, exc.message)  # judged, and counted, by its decode leg (_decode)
+            self._to_bypass(job, plan)
+            return
+        fault = _prefill_fault(exc, settings.prefill_timeout_s, left, handed=handed)
+        if fault is not None and not exc.engine_failed:
+            self._on_prefill(worker, *fault)
+        if time_up(job.deadline):
+            # No time for the bypass leg: the request ends with this leg's error (blamed by run),
+            # a 504 naming this worker where it ran out the time, not the decode worker's unsent
+            # leg's. A 5xx stays unjudged: only a fallback that serves puts it down to the worker.
+            raise exc
+        self._blame(exc)
+        if fault is not None and exc.engine_failed:
+            job.prefill_error = (worker, fault[0])  # judged by the fallback (_decode, run)
+        if not exc.malformed:  # that one is logged once per worker (_blame), not per request
+            log.warning(
+                "request %s: remote prefill failed (%s); falling back to local prefill on %s",
+                req.request_id,
+                exc,
+                plan.decode.worker,
+                extra={"request_id": req.request_id},
+            )
+        self.fallbacks += 1
+        self._fall_back(job, plan, Outcome.FALLBACK_PREFILL_FAILED)

@@ -2,7 +2,12 @@
 
 Each GenerateRequest runs as its own task (kept in `inflight` until it ends). The subject's role
 says what the leg is:
-- prefill: the engine's remote-prefill leg; one final chunk with the TransferHandle and usage;
+- prefill: the engine's remote-prefill leg; one final chunk with the TransferHandle and usage. An
+  engine whose prefill waits for its decode leg (SGLang: LegOutcome.engine_done) hands the handle
+  over before it is done: to a router that asks for it early (GenerateRequest.early_transfer) in a
+  non-final chunk, the final chunk following with the engine's outcome (or its error); to one that
+  does not, in the final chunk at once, a failure after it only logged. Either way the leg stays in
+  flight (its prompt queued, drained at stop, bound by its deadline) until the engine is done;
 - decode: with `disagg` (and no bypass annotation) continue from the prefill leg's handle; with the
   bypass annotation or no handle, prefill locally and decode;
 - agg: prefill and decode locally.
@@ -384,6 +389,10 @@ class ChunkWriter:
         await self._flush()
         await self._send(self._chunk([], prefilled=True))
 
+    async def transfer_first(self, transfer: TransferHandle) -> None:
+        """A prefill leg's handle before its final chunk (GenerateRequest.early_transfer)."""
+        await self._send(self._chunk([], transfer=transfer))
+
     async def _flush(self, *, continued: bool = False) -> None:
         if self._pending or self._events:
             toks, self._pending = self._pending, []
@@ -482,7 +491,7 @@ class ChunkWriter:
         )
 
 
-async def _reap(task: asyncio.Task[None] | None, what: str) -> None:
+async def _reap(task: asyncio.Task[Any] | None, what: str) -> None:
     """Cancel a leg's helper task and wait for it. An error it ended with is logged, not raised:
     the leg's final chunk and bookkeeping come after this."""
     if task is None:
@@ -923,6 +932,7 @@ class RequestService:
 
         state.running = True
         watch = None
+        rest: asyncio.Task[LegOutcome] | None = None  # the engine's prefill after its handle went
         # A leg fed by a transfer queues nothing, but the router books its blocks here until `prefilled`.
         if not leg.stream and not leg.prefill_only and (state.queued_tokens or leg.transfer is not None):
             watch = asyncio.create_task(
@@ -938,6 +948,11 @@ class RequestService:
                     raise TimeoutError
                 async with asyncio.timeout(remaining):
                     outcome = await self.adapter.generate(leg, on_output)
+                    rest = outcome.engine_done
+                    if rest is not None and req.early_transfer:
+                        await writer.transfer_first(self._handle(outcome, writer))
+                        done = await rest
+                        outcome = LegOutcome(done.finish_reason, done.usage, outcome.transfer_params)
             except TimeoutError:
                 self.failed += 1
                 LegTracer.failed(span, "deadline")
@@ -974,10 +989,17 @@ class RequestService:
             self.completed += 1
             self._scheduled(state)
             await self._finish(writer, outcome, role, leg)
+            if outcome.engine_done is not None:  # its router asked for no early handle
+                untold = await self._untold(req, outcome.engine_done)
+                if untold is None:
+                    return
+                outcome = untold
             if leg.transfer is None:
                 self.on_served(req.request_id, req.token_ids, self._salt(req), outcome.usage)
         finally:
             span.end()
+            if rest is not None and not rest.done():  # the leg ended before the engine: aborted
+                await _reap(rest, f"request {req.request_id}: the engine's prefill")
             await _reap(watch, f"request {req.request_id}: the prefill watch")
             self._first_token(state)
             self.contexts.end(req.request_id)
@@ -1026,12 +1048,36 @@ class RequestService:
                 await writer.prefilled()
                 return
 
+    async def _untold(self, req: GenerateRequest, engine: asyncio.Task[LegOutcome]) -> LegOutcome | None:
+        """The engine's outcome of a prefill whose handle went in the final chunk already, to a
+        router that did not ask for it early (one of before 2026-12-07): the leg stays in flight
+        until the engine is done, within its deadline; None when the engine failed, which that
+        router cannot be told (logged)."""
+        remaining = None if req.deadline is None else req.deadline - time.time()
+        try:
+            async with asyncio.timeout(remaining):
+                return await engine
+        except (EngineError, TimeoutError) as exc:
+            why = "its deadline passed" if isinstance(exc, TimeoutError) else str(exc)
+            log.warning(
+                "request %s: the engine's prefill failed after its transfer handle went (%s); its router predates "
+                "GenerateRequest.early_transfer and cannot be told, so its decode leg waits for KV that never comes",
+                req.request_id,
+                why,
+            )
+        except Exception:
+            log.exception("request %s: the engine's prefill failed after its transfer handle went", req.request_id)
+        return None
+
+    def _handle(self, outcome: LegOutcome, writer: ChunkWriter) -> TransferHandle:
+        return TransferHandle(
+            engine=self.adapter.kind, params=outcome.transfer_params or {}, prefill_worker=writer.worker
+        )
+
     async def _finish(self, writer: ChunkWriter, outcome: LegOutcome, role: str, leg: LegRequest) -> None:
         if role == "prefill":
             # The prefill leg's sampled token is not part of the answer: the decode leg produces it all.
-            handle = TransferHandle(
-                engine=self.adapter.kind, params=outcome.transfer_params or {}, prefill_worker=writer.worker
-            )
+            handle = self._handle(outcome, writer)
             await writer.final(finish_reason=outcome.finish_reason, usage=outcome.usage, transfer=handle)
             return
         tokens = outcome.token_ids if not leg.stream and not leg.endpoint else []
@@ -1040,7 +1086,8 @@ class RequestService:
     # --- lifecycle --------------------------------------------------------------------------------
 
     async def drain(self, grace_s: float) -> None:
-        """Stop taking requests; let in-flight ones run up to `grace_s`, then abort the rest."""
+        """Stop taking requests; let in-flight ones run up to `grace_s`, then abort the rest. A prefill
+        leg whose handle went already is in flight until its engine is done, so it is waited for too."""
         self.accepting = False
         tasks = [s.task for s in self.inflight.values() if s.task is not None]
         if tasks:

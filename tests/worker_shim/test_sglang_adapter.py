@@ -18,7 +18,9 @@ from protocol.hashing import chain_salt
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from protocol.vllm_events import decode_pub_frames
 from tests.protocol.vllm_captures import frames
-from tests.worker_shim.cluster import served
+from tests.worker_shim.cluster import served, wait_for
+from tests.worker_shim.fake_sglang import TOO_LONG as TOO_LONG_FOR_CONTEXT
+from tests.worker_shim.fake_sglang import FakeSglang
 from worker_shim import Normaliser
 from worker_shim.adapters.base import EngineError, LegRequest
 from worker_shim.adapters.sglang import (
@@ -653,3 +655,84 @@ async def test_the_alive_request_on_a_pd_worker_goes_as_sglangs_own_health_gener
     assert bodies[-1].get("bootstrap_host") == bootstrap
     if bootstrap is not None:
         assert bodies[-1]["bootstrap_room"] == 0
+
+
+_DECODE = 'engine_type="decode",model_name="m",tp_rank="0"'
+_PREFILL = 'engine_type="prefill",model_name="m",tp_rank="0"'
+
+
+@pytest.mark.parametrize(
+    ("series", "waiting"),
+    [
+        (
+            {"num_queue_reqs": 1, "num_decode_prealloc_queue_reqs": 40, "num_decode_transfer_queue_reqs": 12},
+            53,
+        ),
+        ({"num_queue_reqs": 0, "num_prefill_prealloc_queue_reqs": 30, "num_prefill_inflight_queue_reqs": 8}, 38),
+        ({"num_queue_reqs": 2, "num_prefill_bootstrap_queue_reqs": 30}, 32),  # its later name
+    ],
+    ids=["decode", "prefill", "prefill-bootstrap"],
+)
+def test_sglangs_pd_queues_count_as_waiting(series: dict[str, int], waiting: int) -> None:
+    """A P/D server's requests waiting for their peer or their KV are in none of num_queue_reqs and
+    num_running_reqs (metrics/collector.py): until 2026-12-07 a prefill server holding 30 requests
+    in its bootstrap queue and 8 sending KV read as idle."""
+    labels = _DECODE if "num_decode_prealloc_queue_reqs" in series else _PREFILL
+    lines = [f"sglang:num_running_reqs{{{labels}}} 0.0"]
+    lines += [f"sglang:{name}{{{labels}}} {value}.0" for name, value in series.items()]
+    got = load_from_metrics("\n".join(lines) + "\n", 25088, 401408)
+    assert (got.running, got.waiting) == (0, waiting)
+
+
+def _prefill_adapter(url: str) -> SglangAdapter:
+    config = ShimConfig(
+        engine="sglang", model="m", engine_url=url, kv_events="tcp://127.0.0.1:9", role="prefill", bootstrap_host="h"
+    )
+    return SglangAdapter(config.validate())
+
+
+def _prefill_leg(rid: str, tokens: int = 100) -> LegRequest:
+    return LegRequest(rid, "m", list(range(tokens)), SamplingParams(max_tokens=8), prefill_only=True)
+
+
+async def test_a_prefill_legs_engine_outcome_comes_after_its_triple() -> None:
+    """Until 2026-12-07 the engine's answer to a prefill leg was only logged: its refusal (r2, a
+    prompt past the context) reached no one."""
+    engine = FakeSglang()
+    async with engine.serving() as url:
+        adapter = _prefill_adapter(url)
+        await adapter.open()
+        try:
+            served = await adapter.generate(_prefill_leg("r1"), _ignore)
+            refused = await adapter.generate(_prefill_leg("r2", 9000), _ignore)
+            assert served.transfer_params is not None and served.engine_done is not None
+            assert refused.engine_done is not None
+            with pytest.raises(EngineError) as caught:
+                await refused.engine_done
+            assert (caught.value.code, caught.value.message) == (400, TOO_LONG_FOR_CONTEXT)
+            await wait_for(lambda: "r1" in engine.held, 5, what="the engine to hold r1")
+            assert not served.engine_done.done()  # it waits for its decode peer
+            engine.answer("r1")
+            done = await served.engine_done
+            assert (done.finish_reason, done.usage.prompt_tokens, done.transfer_params) == (
+                "length",
+                100,
+                served.transfer_params,
+            )
+        finally:
+            await adapter.close()
+
+
+async def test_close_aborts_the_prefills_in_flight_before_closing_its_session() -> None:
+    """Until 2026-12-07 close() cancelled them and closed the session at once: each one's abort then
+    failed with RuntimeError('adapter not open'), "Task exception was never retrieved", and the
+    engine kept the requests."""
+    engine = FakeSglang()
+    async with engine.serving() as url:
+        adapter = _prefill_adapter(url)
+        await adapter.open()
+        legs = [await adapter.generate(_prefill_leg(f"r{i}"), _ignore) for i in range(3)]
+        await wait_for(lambda: len(engine.held) == 3, 5, what="the engine to hold all three")
+        await adapter.close()
+        assert sorted(engine.aborted) == ["r0", "r1", "r2"]
+        assert all(leg.engine_done is not None and leg.engine_done.cancelled() for leg in legs)

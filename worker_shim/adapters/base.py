@@ -23,7 +23,11 @@ HTTP API and its P/D handle. The shim owns everything else (normalisation, NATS,
   Returns how it ended; a non-streaming pass-through leg returns the engine's whole answer in
   `body`. A leg with `prefill_only` is the remote-prefill leg and returns the engine's transfer
   parameters; a leg with `transfer` is a decode leg continuing from them. A request the engine
-  refuses (4xx) raises EngineError with the engine's own error body.
+  refuses (4xx) raises EngineError with the engine's own error body. An engine that needs the decode
+  leg running before its prefill can end (SGLang's waits for its decode peer) returns the transfer
+  parameters at once with `engine_done`: a task that ends with the engine's own outcome of the
+  prefill, or its EngineError. The caller awaits or cancels it (a cancel aborts the engine's
+  request); `close()` cancels and awaits those left.
 - Abort: cancel the task running `generate`. Adapters close the engine request on cancellation
   (vLLM and TensorRT-LLM abort on disconnect; SGLang gets an explicit abort as well).
 """
@@ -186,6 +190,8 @@ class LegOutcome:
     transfer_params: dict[str, Any] | None = None
     token_ids: list[int] = field(default_factory=list)
     body: bytes = b""  # a non-streaming pass-through leg: the engine's whole answer
+    # A prefill leg whose transfer parameters come before its engine is done: the engine's outcome.
+    engine_done: asyncio.Task[LegOutcome] | None = None
 
 
 OnOutput = Callable[[int, list[bytes], list[int]], Awaitable[None]]

@@ -37,8 +37,11 @@
   where the exact pair is not one sample of each (DP ranks).
 - P/D (sgl-model-gateway's protocol): both legs carry the same `bootstrap_host`,
   `bootstrap_port`, `bootstrap_room` and must run concurrently, as the prefill server waits for its
-  decode peer. So the prefill leg starts the prefill request in the background and returns the
-  triple at once; the decode leg sends it with its own request.
+  decode peer. So the prefill leg starts the prefill request and returns the triple at once, with
+  the request's task as `engine_done` (the engine's outcome, for the request service to await);
+  the decode leg sends the triple with its own request. `close()` aborts the prefill requests left
+  (`/abort_request` while the session is open) and awaits them. The P/D queues (_PD_QUEUES) count
+  as waiting, beside `sglang:num_queue_reqs`.
 - Requests: the client's own OpenAI request on SGLang's `/v1/completions` or
   `/v1/chat/completions` (openai_http.pass_through_body) with `rid` and the bootstrap triple; its
   `cache_salt` goes along (SGLang's OpenAI protocol takes it). A text prompt (chat messages too)
@@ -102,7 +105,19 @@ __all__ = [
 log = logging.getLogger(__name__)
 _LOAD = ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage")
 _USED = "sglang:num_used_tokens"
-_METRICS = frozenset({*_LOAD, _USED})
+# The P/D queues (metrics/collector.py), requests that `num_queue_reqs` and `num_running_reqs` leave
+# out, counted as waiting: a prefill server's bootstrap queue (waiting for the decode peer; its later
+# name num_prefill_bootstrap_queue_reqs) and its prefilled requests whose KV is still going out; a
+# decode server's requests waiting for KV room or their prefill peer, and those receiving KV. Until
+# 2026-12-07 they were not read: a prefill server holding 30 requests for their peers read idle.
+_PD_QUEUES = (
+    "sglang:num_prefill_prealloc_queue_reqs",
+    "sglang:num_prefill_bootstrap_queue_reqs",
+    "sglang:num_prefill_inflight_queue_reqs",
+    "sglang:num_decode_prealloc_queue_reqs",
+    "sglang:num_decode_transfer_queue_reqs",
+)
+_METRICS = frozenset({*_LOAD, _USED, *_PD_QUEUES})
 # The canonical route first; then its deprecated alias, all an older SGLang serves.
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 # Where the Rust HTTP frontend, whose server info has no server args, reports its P/D mode (both serve it).
@@ -270,6 +285,9 @@ def load_from_metrics(text: str, kv_total_blocks: int | None, kv_total_tokens: i
     if running is None and waiting is None:
         absent = ", ".join(n for n in _LOAD if sum_samples(samples, n) is None)
         raise EngineError(502, "engine_protocol", f"the engine's /metrics has no {absent}: were its metrics renamed?")
+    queued = as_count(waiting, "sglang:num_queue_reqs") or 0
+    for name in _PD_QUEUES:
+        queued += as_count(sum_samples(samples, name), name) or 0
     used = [v for n, _, v in samples if n == _USED]
     if len(used) == 1 and kv_total_tokens is not None and kv_total_tokens > 0:
         kv_usage: float | None = min(used[0] / kv_total_tokens, 1.0)
@@ -277,7 +295,7 @@ def load_from_metrics(text: str, kv_total_blocks: int | None, kv_total_tokens: i
         kv_usage = mean_samples(samples, "sglang:token_usage")
     return EngineLoad(
         running=as_count(running, "sglang:num_running_reqs") or 0,
-        waiting=as_count(waiting, "sglang:num_queue_reqs") or 0,
+        waiting=queued,
         kv_usage=kv_usage,
         kv_total_blocks=kv_total_blocks,
     )
@@ -457,11 +475,16 @@ class SglangAdapter(ZmqEventsAdapter):
         self._kv_tokens: int | None = None
         self._bootstrap_port: int | None = None  # the engine's, from its server info (limits)
         self._said_loopback = False
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[LegOutcome]] = set()  # prefill requests (engine_done)
 
     async def close(self) -> None:
-        for t in list(self._background):
+        """Prefill requests still running are aborted first, each sending its `/abort_request` on the
+        open session, and awaited: until 2026-12-07 the session closed under them, and each was cut
+        unaborted with "Task exception was never retrieved" (RuntimeError: adapter not open)."""
+        left = list(self._background)
+        for t in left:
             t.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
         await super().close()
 
     @property
@@ -626,13 +649,16 @@ class SglangAdapter(ZmqEventsAdapter):
                 "bootstrap_port": self._bootstrap_port,
                 "bootstrap_room": secrets.randbits(63),
             }
-            # Built here, so that a refused body fails the leg rather than the background task.
+            # Built here, so that a refused body fails the leg rather than the engine's task.
             body = openai_body(leg, bootstrap) if leg.endpoint else generate_body(leg, bootstrap)
-            task = asyncio.create_task(self._prefill(leg, body))
+            task = asyncio.create_task(self._prefill(leg, body, bootstrap), name=f"sglang-prefill-{leg.request_id}")
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             return LegOutcome(
-                finish_reason=None, usage=Usage(prompt_tokens=len(leg.token_ids)), transfer_params=bootstrap
+                finish_reason=None,
+                usage=Usage(prompt_tokens=len(leg.token_ids)),
+                transfer_params=bootstrap,
+                engine_done=task,
             )
         with self.watch_pull(leg, on_output) as output:
             if leg.endpoint:
@@ -660,11 +686,12 @@ class SglangAdapter(ZmqEventsAdapter):
             raise
         return LegOutcome(result.finish_reason, result.usage, None, result.token_ids, result.body)
 
-    async def _prefill(self, leg: LegRequest, body: dict[str, Any]) -> None:
-        try:
-            if leg.endpoint:
-                await self._openai(leg, body, None)
-            else:
-                await self._post(leg, body, None)
-        except EngineError as exc:
-            log.warning("SGLang prefill leg %s failed: %s", leg.request_id, exc)
+    async def _prefill(self, leg: LegRequest, body: dict[str, Any], bootstrap: dict[str, Any]) -> LegOutcome:
+        """The engine's outcome of a prefill leg's request (EngineError when it failed): it answers
+        once the KV went to the decode peer. Until 2026-12-07 a failure here was only logged, and the
+        router sent the decode leg on to wait for KV that never came."""
+        if leg.endpoint:
+            out = await self._openai(leg, body, None)
+            return LegOutcome(out.finish_reason, out.usage, bootstrap)
+        folder = await self._post(leg, body, None)
+        return LegOutcome(folder.finish_reason, folder.usage, bootstrap)

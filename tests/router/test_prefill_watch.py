@@ -1,0 +1,224 @@
+"""A prefill leg whose transfer handle comes before its end (an SGLang prefill: its engine waits for
+its decode peer), against workers played by the test over a real nats-server: the decode leg goes
+with the handle at once, and a prefill that fails before the decode leg shows output cancels that
+leg and takes the bypass path (router.prefill_watch)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from protocol import CancelRequest, GenerateRequest, TransferHandle, decode_msg, subjects
+from protocol.config import RouterSettings
+from protocol.messages import ANNOTATION_BYPASS, ErrorInfo
+from router.dispatch import Dispatcher
+from router.policies import Outcome, Path
+from runtime.nats_flush import flush
+from tests.router.test_dispatch import HB, Behaviour, Books, Worker, chunk, collect, job
+
+TRIPLE = {"bootstrap_host": "10.0.0.5", "bootstrap_port": 8998, "bootstrap_room": 77}
+PREFILL_TIMEOUT_S = 2.0
+
+
+class Pair:
+    """Prefill worker p1 and decode worker w1 playing SGLang's P/D: p1 sends the bootstrap triple at
+    once, then waits for w1 to get the decode leg that carries it (SGLang's prefill waits for its
+    decode peer) and ends with `prefill_end` (ResponseChunk fields; None: silence). w1's leg with
+    the triple waits for its KV, heartbeating, until it streams (`kv` set) or is cancelled (then the
+    shim's answer to a cancel, an abort); its bypass leg prefills and answers two tokens."""
+
+    def __init__(
+        self, nc: Client, ns: str, prefill_end: dict[str, Any] | None, decode: Behaviour | None = None
+    ) -> None:
+        self.nc, self.ns = nc, ns
+        self.prefill_end = prefill_end
+        self.prefill = Worker(nc, ns, "p1")
+        self.decode = Worker(nc, ns, "w1")
+        self._decode_behaviour = decode or self._decode
+        self.peer = asyncio.Event()  # w1 got the decode leg with the triple
+        self.kv = asyncio.Event()
+        self.cancelled: list[str] = []
+        self._cancel = asyncio.Event()
+        self.prefill_ended = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.prefill.serve("prefill", self._prefill)
+        await self.decode.serve("decode", self._decode_behaviour)
+
+        async def on_cancel(msg: Msg) -> None:
+            self.cancelled.append(decode_msg(msg.data, CancelRequest).request_id)
+            self._cancel.set()
+
+        await self.nc.subscribe(subjects.cancel(self.ns, "w1"), cb=on_cancel)
+        await flush(self.nc)
+
+    async def _prefill(self, nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        await chunk(nc, msg, req, 0, transfer=TransferHandle(engine="sglang", params=TRIPLE))
+        await asyncio.wait_for(self.peer.wait(), 10)
+        if self.prefill_end is not None:
+            await asyncio.sleep(HB)
+            await chunk(nc, msg, req, 1, final=True, **self.prefill_end)
+        self.prefill_ended.set()
+
+    async def _decode(self, nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        if req.disagg is None:
+            await chunk(nc, msg, req, 0, token_ids=[5])
+            await chunk(nc, msg, req, 1, token_ids=[6], final=True, finish_reason="length")
+            return
+        self.peer.set()
+        seq = 0
+        while not (self._cancel.is_set() or self.kv.is_set()):
+            await _either(self._cancel.wait(), self.kv.wait(), req.heartbeat_s)
+            await chunk(nc, msg, req, seq)
+            seq += 1
+        if self._cancel.is_set():
+            await chunk(nc, msg, req, seq, final=True, finish_reason="abort")
+            return
+        await chunk(nc, msg, req, seq, token_ids=[5])
+        await self.prefill_ended.wait()
+        await chunk(nc, msg, req, seq + 1, token_ids=[6], final=True, finish_reason="length")
+
+
+async def _either(a: Coroutine[Any, Any, Any], b: Coroutine[Any, Any, Any], timeout: float) -> None:
+    tasks = [asyncio.ensure_future(a), asyncio.ensure_future(b)]
+    await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    for t in tasks:
+        t.cancel()
+
+
+Verdicts = list[tuple[str, str | None, bool]]
+
+
+@pytest.fixture
+async def router(nc: Client, ns: str) -> AsyncIterator[tuple[Dispatcher, Books, Verdicts]]:
+    books = Books()
+    verdicts: Verdicts = []  # (prefill worker, its fault, serves whole requests) per prefill leg judged
+    d = Dispatcher(
+        nc, ns, books,
+        settings=lambda: RouterSettings(stream_heartbeat_s=HB, prefill_timeout_s=PREFILL_TIMEOUT_S),
+        on_prefill=lambda w, fault, whole: verdicts.append((w, fault, whole)),
+    )  # fmt: skip
+    await d.start()
+    yield d, books, verdicts
+    await d.stop()
+
+
+async def test_the_decode_leg_goes_with_a_handle_that_comes_before_the_prefill_ends(
+    nc: Client, ns: str, router: tuple[Dispatcher, Books, Verdicts]
+) -> None:
+    """SGLang's prefill ends only once its decode peer has its request: read as the end of the
+    prefill, its handle arrived with the final chunk that never came, and every remote prefill ran
+    out prefill_timeout_s before it fell back."""
+    d, books, verdicts = router
+    pair = Pair(nc, ns, {"finish_reason": "length", "transfer": TransferHandle(engine="sglang", params=TRIPLE)})
+    await pair.start()
+    pair.kv.set()
+    j = job("w1", prefill="p1")
+    chunks = await asyncio.wait_for(collect(d, j), PREFILL_TIMEOUT_S)
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert [r.early_transfer for r in pair.prefill.requests] == [True]
+    assert [r.disagg.params if r.disagg else None for r in pair.decode.requests] == [TRIPLE]
+    assert (j.outcome, j.path, d.fallbacks) == (Outcome.DECLINED_POLICY, Path.REMOTE, 0)
+    assert verdicts == [("p1", None, True)] and pair.cancelled == []
+    assert ("rebook_bypass", "r1#1") not in books.log
+
+
+@pytest.mark.parametrize(
+    "prefill_end",
+    [
+        {"error": ErrorInfo(code=500, kind="engine_error", message="KV transfer failed")},
+        {"finish_reason": "abort"},  # the engine's own abort, no error
+        None,  # the prefill worker goes silent
+    ],
+    ids=["engine_error", "aborted", "silent"],
+)
+async def test_a_prefill_that_fails_after_its_handle_cancels_the_decode_leg_and_prefills_there(
+    nc: Client, ns: str, router: tuple[Dispatcher, Books, Verdicts], prefill_end: dict[str, Any] | None
+) -> None:
+    """Until 2026-12-07 the handle was the prefill's end: its failure was never heard of, and the
+    decode leg waited for KV that never came, to the client's deadline."""
+    d, books, _ = router
+    pair = Pair(nc, ns, prefill_end)
+    await pair.start()
+    j = job("w1", prefill="p1")
+    chunks = await asyncio.wait_for(collect(d, j), PREFILL_TIMEOUT_S)
+    assert [c.token_ids for c in chunks] == [[5], [6]]  # the bypass leg's, nothing of the cancelled one
+    assert pair.cancelled == ["r1"]
+    assert [(r.disagg is not None, r.annotations) for r in pair.decode.requests] == [
+        (True, []),
+        (False, [ANNOTATION_BYPASS]),
+    ]
+    assert (j.outcome, j.path, d.fallbacks) == (Outcome.FALLBACK_PREFILL_FAILED, Path.BYPASS, 1)
+    # The cancelled leg's abort freed nothing: the attempt's booking went on with its bypass leg,
+    # freed once, at that leg's end.
+    assert books.log[0] == ("rebook_bypass", "r1#1") and books.log[-1] == ("free", "r1#1")
+    assert books.log.count(("free", "r1#1")) == 1
+
+
+async def test_a_prefill_refused_after_its_handle_is_the_decode_engines_to_serve(
+    nc: Client, ns: str, router: tuple[Dispatcher, Books, Verdicts]
+) -> None:
+    d, _, verdicts = router
+    refused = ErrorInfo(code=400, kind="engine_rejected", message="The input (9000 tokens) is longer than 8192")
+    pair = Pair(nc, ns, {"error": refused})
+    await pair.start()
+    j = job("w1", prefill="p1")
+    chunks = await asyncio.wait_for(collect(d, j), PREFILL_TIMEOUT_S)
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert pair.cancelled == ["r1"]
+    assert (j.outcome, d.refusal_fallbacks, d.fallbacks) == (Outcome.FALLBACK_PREFILL_REFUSED, 1, 0)
+    assert d.refusals_overruled == {"p1": 1} and verdicts == []
+
+
+async def test_a_prefill_out_of_time_after_its_handle_is_not_put_down_to_its_worker(
+    nc: Client, ns: str, router: tuple[Dispatcher, Books, Verdicts]
+) -> None:
+    """Its engine waits on its decode peer too: the time is the pair's. The request still falls
+    back at prefill_timeout_s."""
+    d, _, verdicts = router
+    pair = Pair(nc, ns, None)
+    await pair.start()
+
+    async def heartbeats_after_the_handle(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        await chunk(nc, msg, req, 0, transfer=TransferHandle(engine="sglang", params=TRIPLE))
+        for seq in range(1, 100):
+            await asyncio.sleep(HB)
+            await chunk(nc, msg, req, seq)
+
+    pair.prefill = Worker(nc, ns, "p2")
+    await pair.prefill.serve("prefill", heartbeats_after_the_handle)
+    j = job("w1", prefill="p2")
+    chunks = await asyncio.wait_for(collect(d, j), 3 * PREFILL_TIMEOUT_S)
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert pair.cancelled == ["r1"] and j.outcome is Outcome.FALLBACK_PREFILL_FAILED
+    assert verdicts == []  # no fault: the worker is not left out of prefill legs
+
+
+async def test_a_prefill_that_fails_after_the_decode_leg_streams_changes_nothing(
+    nc: Client, ns: str, router: tuple[Dispatcher, Books, Verdicts]
+) -> None:
+    """The decode engine has the KV once it streams: the prefill leg's later end is no reason to
+    cut the stream."""
+    d, _, _ = router
+
+    async def stream_first(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        await chunk(nc, msg, req, 0, token_ids=[5])
+        pair.peer.set()
+        await pair.prefill_ended.wait()
+        for seq in (1, 2, 3):  # heartbeats, the prefill leg's error in meanwhile
+            await asyncio.sleep(HB)
+            await chunk(nc, msg, req, seq)
+        await chunk(nc, msg, req, 4, token_ids=[6], final=True, finish_reason="length")
+
+    pair = Pair(nc, ns, {"error": ErrorInfo(code=500, kind="engine_error", message="late")}, stream_first)
+    await pair.start()
+    j = job("w1", prefill="p1")
+    chunks = await asyncio.wait_for(collect(d, j), PREFILL_TIMEOUT_S)
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert len(pair.decode.requests) == 1 and pair.cancelled == []
+    assert j.outcome is Outcome.DECLINED_POLICY and d.fallbacks == 0

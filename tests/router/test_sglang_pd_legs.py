@@ -1,0 +1,146 @@
+"""A remote prefill between SGLang workers end to end over a real nats-server: the router's
+dispatcher, and on each worker the shim's request service with its SGLang adapter before a fake
+SGLang server (tests/worker_shim/fake_sglang.py). What the cluster harness cannot show, as its
+engines are simulated vLLMs: the prefill leg's handle comes before its end, and a prefill the
+engine refuses takes the bypass path on the decode worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import nats
+import pytest
+
+from protocol import GenerateRequest, subjects
+from protocol.config import RouterSettings
+from router.disagg import RoutePlan
+from router.dispatch import Dispatcher, Job
+from router.leg import LegError
+from router.policies import Outcome, Path
+from tests.router.builders import cand, ctx
+from tests.router.test_dispatch import Books, collect
+from tests.worker_shim.cluster import wait_for
+from tests.worker_shim.fake_sglang import TOO_LONG, FakeSglang
+from worker_shim.adapters.sglang import SglangAdapter
+from worker_shim.config import ShimConfig, ShimRole
+from worker_shim.request_service import RequestService
+
+HB = 0.1
+DEADLINE_S = 5.0
+
+
+@dataclass
+class Worker:
+    engine: FakeSglang
+    svc: RequestService
+
+
+@dataclass
+class PD:
+    router: Dispatcher
+    books: Books
+    prefill: Worker
+    decode: Worker
+
+
+async def _worker(stack: AsyncExitStack, nats_url: str, ns: str, role: ShimRole, name: str) -> Worker:
+    engine = FakeSglang()
+    url = await stack.enter_async_context(engine.serving())
+    host = "10.0.0.5" if role == "prefill" else None
+    config = ShimConfig(
+        engine="sglang", model="m", engine_url=url, kv_events="tcp://127.0.0.1:9", role=role, bootstrap_host=host
+    )
+    adapter = SglangAdapter(config.validate())
+    await adapter.open()
+    stack.push_async_callback(adapter.close)
+    nc = await nats.connect(nats_url)
+    stack.push_async_callback(nc.close)
+    svc = RequestService(nc, adapter, lambda: None)
+    stack.push_async_callback(svc.drain, 0)
+    await nc.subscribe(subjects.gen(ns, role, name), cb=svc.on_generate)
+    await nc.subscribe(subjects.cancel(ns, name), cb=svc.on_cancel)
+    await nc.flush()
+    return Worker(engine, svc)
+
+
+@pytest.fixture
+async def pd(nats_url: str, ns: str) -> AsyncIterator[PD]:
+    async with AsyncExitStack() as stack:
+        prefill = await _worker(stack, nats_url, ns, "prefill", "p1")
+        decode = await _worker(stack, nats_url, ns, "decode", "w1")
+        nc = await nats.connect(nats_url)
+        stack.push_async_callback(nc.close)
+        books = Books()
+        router = Dispatcher(nc, ns, books, settings=lambda: RouterSettings(stream_heartbeat_s=HB))
+        await router.start()
+        stack.push_async_callback(router.stop)
+        yield PD(router, books, prefill, decode)
+
+
+def _job(tokens: int) -> Job:
+    c = ctx(tokens, [cand("w1")], [cand("p1", "prefill")])
+    plan = RoutePlan(
+        c, c.decode_pool[0], c.prefill_pool[0], Path.REMOTE, Outcome.DECLINED_POLICY, "", c.decode_pool,
+        c.prefill_pool, key="r1#1",
+    )  # fmt: skip
+    req = GenerateRequest(request_id="r1", model="m", token_ids=list(range(tokens)))
+    return Job(request=req, plan=plan, replan=lambda _ex: None, deadline=time.monotonic() + DEADLINE_S)
+
+
+async def test_a_prompt_both_engines_refuse_is_the_clients_400_at_once(pd: PD) -> None:
+    """The audit's r2: SGLang refuses the prefill of a prompt past its context. The router hears
+    it now (until 2026-12-07 the prefill shim answered the triple and only logged the refusal);
+    the decode engine, with the same context, refuses the prompt too, on the leg with the triple
+    or on the bypass leg, whichever reaches it first: its refusal is the client's, at once, and
+    nothing is left waiting for KV."""
+    started = time.monotonic()
+    with pytest.raises(LegError) as caught:
+        await collect(pd.router, _job(9000))
+    err = caught.value
+    assert (err.code, err.worker, err.message) == (400, "w1", TOO_LONG)
+    assert time.monotonic() - started < DEADLINE_S / 2
+    assert not pd.decode.engine.held and pd.decode.engine.got
+    await wait_for(lambda: not pd.decode.svc.inflight and not pd.prefill.svc.inflight, 5, what="the legs to end")
+
+
+async def test_a_prefill_failed_after_the_decode_leg_went_aborts_that_leg_and_takes_the_bypass(pd: PD) -> None:
+    """The prefill engine fails once its decode peer has the request (its KV transfer failed).
+    Until 2026-12-07 the router never heard it: the decode engine held the request for KV that
+    never came, to the request's deadline or SGLang's own timeout. Now the router cancels that
+    leg, so the decode engine gets its abort, and sends the bypass leg. What the decode engine
+    answers to that leg is the test's: an SGLang decode server has no local prefill (docs/router.md,
+    "SGLang workers")."""
+    job = _job(100)
+    got = asyncio.ensure_future(collect(pd.router, job))
+    await wait_for(lambda: "r1" in pd.decode.engine.held and "r1" in pd.prefill.engine.held, 5, what="both legs")
+    pd.prefill.engine.answer("r1", 500, {"error": {"message": "KV transfer failed"}})
+    await wait_for(lambda: len(pd.decode.engine.got) == 2 and "r1" in pd.decode.engine.held, 5, what="the bypass")
+    assert pd.decode.engine.aborted == ["r1"]  # the leg with the triple, aborted in its engine first
+    fed, bypass = pd.decode.engine.got
+    assert "bootstrap_room" in fed and "bootstrap_room" not in bypass
+    pd.decode.engine.answer("r1", tokens=2)
+    chunks = await asyncio.wait_for(got, 5)
+    assert [t for c in chunks for t in c.token_ids] == [11, 12]
+    assert (job.outcome, job.path, pd.router.fallbacks) == (Outcome.FALLBACK_PREFILL_FAILED, Path.BYPASS, 1)
+
+
+async def test_a_served_remote_prefill_sends_the_decode_leg_while_the_prefill_waits_for_it(pd: PD) -> None:
+    """SGLang's prefill ends once its decode peer has the request; the prefill shim's prompt stays
+    queued until then."""
+    job = _job(100)
+    got = asyncio.ensure_future(collect(pd.router, job))
+    await wait_for(lambda: "r1" in pd.decode.engine.held and "r1" in pd.prefill.engine.held, 5, what="both legs")
+    room = {b["bootstrap_room"] for b in (pd.prefill.engine.got[0], pd.decode.engine.got[0])}
+    assert len(room) == 1  # the decode leg carries the prefill's triple
+    assert pd.prefill.svc.prefill_tokens_queued == 100
+    pd.prefill.engine.answer("r1")  # its KV went
+    await wait_for(lambda: pd.prefill.svc.prefill_tokens_queued == 0, 5, what="the prefill's end")
+    pd.decode.engine.answer("r1", tokens=3)
+    chunks = await asyncio.wait_for(got, 5)
+    assert [t for c in chunks for t in c.token_ids] == [11, 12, 13]
+    assert (job.outcome, job.path, pd.router.fallbacks) == (Outcome.DECLINED_POLICY, Path.REMOTE, 0)
+    assert ("prefill_done", "r1#1", "p1") in pd.books.log
