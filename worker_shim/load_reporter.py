@@ -15,6 +15,12 @@ WARNING, at most one per kind a minute, saying how many were held back meanwhile
 end is an INFO. A /metrics that alternates good and bad answers logged a WARNING per flip before
 (38 in 20 s) and its failed polls were counted nowhere.
 
+A stale reading (EngineLoad.stale: the engine gave nothing new, its last figures repeated) is no
+failure, but no idle figure is published from it: its running requests are raised to the shim's
+own legs in flight less those it reports waiting, and `engine_ts` stays at the last fresh
+reading's. Until 2026-12-07 TensorRT-LLM's repeated idle load went out as current while a burst
+ran on the engine.
+
 While the NATS connection is down no report is published: nats-py would keep it in its reconnect
 buffer and send it, stale, once NATS is back, where the newest report supersedes every older one (a
 router read three stale stamps in a row as the worker's clock behind by the outage: a false "keep
@@ -65,6 +71,7 @@ class LoadReporter:
         queued_tokens: Callable[[], int],
         kv_total_blocks: int | None,
         *,
+        legs_in_flight: Callable[[], int] = lambda: 0,
         period_s: float = DEFAULT_PERIOD_S,
         poll_s: float = 0.25,
         digest: Callable[[], KvDigestAt | None] = lambda: None,
@@ -84,6 +91,7 @@ class LoadReporter:
         self.worker = worker
         self.adapter = adapter
         self.queued_tokens = queued_tokens
+        self.legs_in_flight = legs_in_flight  # the floor under a stale reading's requests
         self.kv_total_blocks = kv_total_blocks
         self.period_s = period_s
         self.poll_s = min(poll_s, period_s)
@@ -151,6 +159,7 @@ class LoadReporter:
     def report(self) -> LoadReport:
         e = self._engine
         t = e.timing
+        running = max(e.running, self.legs_in_flight() - e.waiting) if e.stale else e.running
         total = e.kv_total_blocks or self.kv_total_blocks
         # kv_usage may stray past [0, 1] by a rounding (_unusable): never more blocks than there are.
         used = min(round(max(0.0, e.kv_usage) * total), total) if e.kv_usage is not None and total else 0
@@ -158,7 +167,7 @@ class LoadReporter:
         return LoadReport(
             worker=self.worker,
             ts=time.time(),
-            running=e.running,
+            running=running,
             waiting=e.waiting,
             kv_used_blocks=used,
             kv_total_blocks=total,
@@ -197,7 +206,8 @@ class LoadReporter:
                 if (bad := _unusable(reading)) is not None:
                     raise EngineError(502, "engine_protocol", f"the engine's load reading has {bad}")
                 self._engine = reading
-                self._engine_at = (asked + time.time()) / 2  # the engine rendered them in between
+                if not reading.stale:
+                    self._engine_at = (asked + time.time()) / 2  # the engine rendered them in between
                 if self._episode is not None:
                     since, failed = self._episode
                     log.info("load polls work again after %.1fs (%d failed)", time.monotonic() - since, failed)

@@ -111,6 +111,13 @@ class _ShimCollector(Collector):
             problems.add_metric([p.value], float(p in s.events.problems))
         yield problems
         yield _counter("kv_events_received", "Engine KV events received", float(s.engine_events))
+        yield _gauge(
+            "kv_events_poll_lag_seconds",
+            "Seconds since the engine last answered a poll of its KV events (TensorRT-LLM, which may hold a poll "
+            "while events keep coming): the index is at most this far behind it; 0 where events are pushed or no "
+            "poll runs",
+            s.adapter.events_lag_s() or 0.0,
+        )
         batches = CounterMetricFamily(P + "kv_batches_received", "Engine event batches", labels=["live"])
         for live, n in s.engine_batches.items():
             batches.add_metric([str(live).lower()], float(n))
@@ -239,7 +246,8 @@ class _ShimCollector(Collector):
         yield _counter(
             "alive_requests",
             "One-token requests sent an engine taken for hung, with nothing left to run, to tell whether it serves "
-            "again (one prompt token, one output token each)",
+            "again, or one that reports nothing until it has served a request (a fresh TensorRT-LLM) (one prompt "
+            "token, one output token each)",
             float(probe.alive),
         )
         yield _counter(

@@ -72,6 +72,7 @@ from runtime.nats_unsubscribe import unsubscribe
 from worker_shim import engine_claim, takeover
 from worker_shim.adapters import (
     EngineAdapter,
+    EngineCold,
     EngineError,
     EngineHealth,
     EngineLimits,
@@ -141,6 +142,10 @@ class _TaskCrashed(Exception):
     def __init__(self, task: str, why: str) -> None:
         super().__init__(f"the {task} {why}")
         self.task = task
+
+
+class _Stopped(Exception):
+    """The shim stopped while a session started: no failure, the supervision ends."""
 
 
 class ShimStatus(enum.Enum):
@@ -467,6 +472,7 @@ class WorkerShim:
             "etcd": lease.state.value if lease is not None else "none",
             "engine_url": self.config.engine_url,
             "retired_workers": sorted({p.worker for p in self._retired}),
+            "events_lag_s": None if (lag := self.adapter.events_lag_s()) is None else round(lag, 1),
         }
 
     def metrics_text(self) -> bytes:
@@ -489,6 +495,8 @@ class WorkerShim:
                     failed = 0
                 except ConfigError:
                     raise
+                except _Stopped:
+                    return
                 except BindPending as exc:
                     # A listed endpoint this host cannot bind yet: its cause was said once, naming the
                     # setting; each session's is as a --kv-events bind's (_wait_live).
@@ -575,9 +583,7 @@ class WorkerShim:
         --no-endpoint-probe no such request is sent: its step counter or KV usage must move."""
         said = False
         while (stalled := self._stalled) is not None:
-            with contextlib.suppress(EngineError):
-                self._engine_load = await self.adapter.load()
-                self._engine_load_at = time.monotonic()
+            await self._read_load()
             mark = self._progress()
             if mark is not None:
                 moved = mark.moved_since(stalled)
@@ -613,12 +619,18 @@ class WorkerShim:
         """The stall watchdog over legs left running when the session ended on a busy or down
         engine: one that hangs later still has them ended after the stall limit. No load reporter
         runs between sessions, so the engine's load is read here."""
-        with contextlib.suppress(EngineError):
-            self._engine_load = await self.adapter.load()
-            self._engine_load_at = time.monotonic()
+        await self._read_load()
         why = self._hung(time.monotonic())
         if why is not None:
             await self._fail_legs(why)
+
+    async def _read_load(self) -> None:
+        """The engine's load between sessions (no load reporter runs), as the reporter's polls take
+        it: a stale reading is no news, and stamps no time."""
+        with contextlib.suppress(EngineError):
+            load = await self.adapter.load()
+            if not load.stale:
+                self._engine_load, self._engine_load_at = load, time.monotonic()
 
     async def _unless_stopping(self, work: Coroutine[Any, Any, _T]) -> _T | None:
         """`work`'s result; None, `work` cancelled, as soon as the shim stops: a stop waited out a
@@ -738,7 +750,7 @@ class WorkerShim:
         the flags stand in, as before; retried, the shim never registered. Any other refusal is the
         operator's."""
         try:
-            return await self.adapter.limits()
+            return await self._warm_limits()
         except EngineError as exc:
             if exc.code >= 500 or exc.code in _TRANSIENT_STATUS:
                 raise
@@ -749,6 +761,46 @@ class WorkerShim:
             self._say_once(logging.WARNING, "the %s engine reports no limits (%s): the flags stand in",
                            self.config.engine, exc.message)  # fmt: skip
             return EngineLimits()
+
+    async def _warm_limits(self) -> EngineLimits:
+        """The engine's limits; one that has served nothing yet (EngineCold) is warmed up and asked
+        again. Still none after that (a TensorRT-LLM without enable_iter_perf_stats, or whose stats
+        lag its first answer): the flags stand in where --block-size is given, else the session
+        fails (EngineCold, a 503) and is retried. Until 2026-12-07 a fresh TensorRT-LLM's [] was "no
+        limits", the shim exited asking for --block-size, and its next session's [] (each stat is
+        handed out once) did the same."""
+        try:
+            return await self.adapter.limits()
+        except EngineCold as exc:
+            await self._warm_up(exc)
+        try:
+            return await self.adapter.limits()
+        except EngineCold as exc:
+            if self.config.block_size is None:
+                raise
+            self._say_once(logging.WARNING, "%s, after serving a one-token request: the flags stand in",
+                           exc.message)  # fmt: skip
+            return EngineLimits()
+
+    async def _warm_up(self, cold: EngineCold) -> None:
+        """Have an engine that reports nothing until it has served a request (`cold`) serve one
+        one-token request (_serves_one_token, counted as one); EngineError where it does not, or
+        --no-endpoint-probe forbids requests of the shim's own: the session fails, retried."""
+        url = self.config.engine_url
+        if self.config.no_endpoint_probe:
+            raise EngineError(
+                503, "engine_unavailable", f"{cold.message}; --no-endpoint-probe sends it no one-token request of "
+                f"the shim's own: send one to {url} directly",
+            )  # fmt: skip
+        log.info("%s: sending it a one-token request", cold.message)
+        served = await self._unless_stopping(self._serves_one_token())
+        if served is None:
+            raise _Stopped
+        if not served:
+            raise EngineError(
+                503, "engine_unavailable", f"{cold.message}, and it did not serve a one-token request within "
+                f"{self.config.stall_limit_s:.0f}s (--stall-limit-s)",
+            )  # fmt: skip
 
     async def _served_model_len(self) -> int | None:
         """--model's max_model_len from the engine's /v1/models, whose other names for it and LoRA
@@ -1047,6 +1099,12 @@ class WorkerShim:
         self.load_reports_unencodable += 1
 
     def _on_engine_reading(self, asked: float, done: float, load: EngineLoad | None) -> None:
+        if load is not None and load.stale:
+            # The last figures again: no time stamped (the stall watchdog then takes progress for
+            # unknown), and its counters say nothing of now (reuse, failed pulls). Until 2026-12-07
+            # TensorRT-LLM's repeated load read as fresh: a long non-streamed request from idle was
+            # ended as hung.
+            return
         requests = self.requests
         self.events.hits(
             asked,
@@ -1208,7 +1266,10 @@ class WorkerShim:
             f"within {c.lease_ttl}s)",
         )
 
-    async def _wait_live(self, live: asyncio.Event) -> bool:
+    async def _wait_live(self, live: asyncio.Event, *, warmed: bool = False) -> bool:
+        """Whether the session's events went live. A stream that fails as an engine's that has
+        served nothing yet (EngineCold) starts again once the engine served a one-token request; if
+        it fails so again, the session fails (retried, after a wait that grows)."""
         assert self._events_task is not None
         waiter = asyncio.create_task(live.wait())
         stopping = asyncio.create_task(self._stopping.wait())
@@ -1222,6 +1283,12 @@ class WorkerShim:
         if self._events_task.done() and not self._events_task.cancelled() and self._events_task.exception():
             if isinstance(failure := self._events_task.exception(), ConfigError):  # no new session cures it
                 raise failure
+            if isinstance(failure, EngineCold):
+                if warmed:
+                    raise EngineError(503, "engine_unavailable", f"{failure.message}; still so after it served one")
+                await self._warm_up(failure)
+                self._events_task = asyncio.create_task(self.adapter.run_events(self._sink, live), name="engine-events")
+                return await self._wait_live(live, warmed=True)
             if isinstance(failure, BindPending):
                 self._bind_pending(failure)
             else:
@@ -1247,6 +1314,7 @@ class WorkerShim:
             self.adapter,
             lambda: requests.prefill_tokens_queued,
             self.limits.kv_total_blocks,
+            legs_in_flight=lambda: len(requests.inflight),
             period_s=self.config.load_period_s,
             poll_s=min(0.25, self.config.health_interval_s),
             digest=publisher.digest,

@@ -454,3 +454,28 @@ async def test_a_flapping_metrics_is_counted_by_kind_and_said_once_a_minute_with
     assert warnings == [first, f"{first} ({held} more episodes of it since the one said 60s ago)"], warnings
     recovered = [r.getMessage() for r in said if r.levelno == logging.INFO]
     assert len(recovered) == 2 and all(m.startswith("load polls work again after ") for m in recovered), recovered
+
+
+@pytest.mark.parametrize(("running", "waiting", "legs", "published"), [(0, 0, 3, 3), (0, 1, 3, 2), (5, 0, 3, 5)])
+async def test_a_stale_reading_publishes_no_fewer_requests_than_the_shims_legs_in_flight(
+    running: int, waiting: int, legs: int, published: int
+) -> None:
+    """A stale reading (the engine's last figures, repeated: TensorRT-LLM's [] from a buffered
+    /metrics while a burst runs) is no failure, but its idle figures are not the engine's now: its
+    running requests are floored at the shim's legs in flight less those it reports waiting, and
+    `engine_ts` stays at the last fresh reading's. Until 2026-12-07 routers read the busy worker as
+    idle. A fresh reading goes out as the engine gave it."""
+    adapter = _Reading(EngineLoad(running=running, waiting=waiting))
+    reporter = LoadReporter(_CountingNats(), "t", "w1", adapter, lambda: 0, 100, legs_in_flight=lambda: legs,  # type: ignore[arg-type]
+                            period_s=0.05, poll_s=0.02)  # fmt: skip
+    reporter.start()
+    try:
+        await wait_for(lambda: reporter.report().engine_ts > 0, what="a fresh reading")
+        fresh = reporter.report()
+        assert (fresh.running, fresh.waiting) == (running, waiting)
+        adapter.reading = EngineLoad(running=running, waiting=waiting, stale=True)
+        await wait_for(lambda: reporter.report().running == published, what="the floor")
+        stale = reporter.report()
+        assert (stale.waiting, stale.engine_ts, reporter.healthy) == (waiting, fresh.engine_ts, True)
+    finally:
+        await reporter.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -176,22 +177,57 @@ def test_a_malformed_event_is_dropped_alone_and_said_once(caplog: pytest.LogCapt
     tracker, norm = TrtllmEventTracker(), Normaliser(4)
     bad = stored(2, None, (None, [5, 5, 5, 5]))
     with caplog.at_level(logging.WARNING, logger="worker_shim.adapters.trtllm_events"):
-        first, second, third = folded(
+        first, second = folded(
             tracker,
             norm,
             [CREATED, stored(1, None, (11, [1, 1, 1, 1])), bad, {}, stored(3, None, (13, [3, 3, 3, 3]))],
             [{**bad, "event_id": 4}, "junk", {"event_id": 5, "data": None}, stored(6, 13, (14, [4, 4, 4, 4]))],
-            {"detail": "not a list"},
         )
-    assert first.reset and first.complete and [second.reset, third.reset] == [False, False]
+    assert first.reset and first.complete and not second.reset
     assert norm.canonical_hashes() == {
         block_hashes([1] * 4, 4)[0],
         *block_hashes([3, 3, 3, 3, 4, 4, 4, 4], 4),
     }
     # Events 2, 4 and 5 were read as far as their ids: no gap.
-    assert (tracker.malformed, tracker.ignored, tracker.gaps, tracker.restarts) == (5, 1, 0, 0)
+    assert (tracker.malformed, tracker.ignored, tracker.gaps, tracker.restarts) == (4, 1, 0, 0)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 4 and sum("neither a 64-bit integer" in w for w in warnings) == 1
+    assert len(warnings) == 3 and sum("neither a 64-bit integer" in w for w in warnings) == 1
+
+
+@pytest.mark.parametrize("answer", [b"<html>502 Bad Gateway</html>", b'{"detail": "not a list"}'], ids=["html", "dict"])
+async def test_a_poll_answer_that_is_no_json_list_is_a_counted_gap_not_the_sessions_end(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, answer: bytes
+) -> None:
+    """A proxy's error page answered 200 between good polls: the events the engine drained for it
+    are lost. Until 2026-12-07 an answer of no JSON ended the event stream (the session, and the
+    worker re-registered under a new id, counted nowhere), and one of JSON that was no list waited
+    for the next event's id to show the gap. Now: counted as malformed, said once, the state reset
+    incomplete at once, and the next event's jump past the lost ids is no second reset."""
+    monkeypatch.setattr(trtllm, "POLL_S", 0.001)
+    good = json.dumps([CREATED, stored(1, None, (11, [1, 1, 1, 1]))]).encode()
+    answers = iter([good, answer, answer, json.dumps([stored(5, None, (15, [5, 5, 5, 5]))]).encode()])
+    adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m"))
+
+    async def fetch(path: str, method: str = "GET", timeout: object = None) -> bytes:
+        return next(answers, b"[]")
+
+    monkeypatch.setattr(adapter, "fetch", fetch)
+    got: list[EngineBatch] = []
+    with caplog.at_level(logging.WARNING, logger="worker_shim.adapters"):
+        task = asyncio.create_task(adapter.run_events(collector(got), asyncio.Event()))
+        await asyncio.sleep(0.2)
+        assert not task.done(), task.exception()
+        task.cancel()
+    assert [(b.reset, b.complete, len(b.events)) for b in got] == [
+        (True, False, 0),  # the reader's start
+        (True, True, 1),  # the engine's created event, then event 1
+        (True, False, 0),  # the lost answer: a gap
+        (True, False, 0),  # and the second
+        (False, True, 1),  # event 5, past the lost ids: no second reset
+    ]
+    assert adapter.event_stats() == {"gaps": 0, "restarts": 0, "ignored": 0, "partial": 0, "malformed": 2}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "the events the engine handed over for it are lost" in warnings[0]
 
 
 async def test_an_event_of_a_type_the_shim_does_not_know_is_counted_by_type_and_said_once(
@@ -336,8 +372,10 @@ def test_limits_and_load_from_iteration_stats() -> None:
     assert (lim.block_size, lim.kv_total_blocks) == (32, 512)
     got = load_from_stats(stats, EngineLoad())
     assert (got.running, got.waiting, got.kv_total_blocks) == (4, 2, 512) and got.kv_usage == 112 / 512
+    assert not got.stale
     previous = EngineLoad(running=9)
-    assert load_from_stats([], previous) is previous  # no iteration since the last read
+    # No iteration since the last read: the last figures, marked stale (until 2026-12-07 returned as fresh).
+    assert load_from_stats([], previous) == replace(previous, stale=True)
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from tests.worker_shim.cluster import collector, served
 from tests.worker_shim.test_trtllm_adapter import CREATED, folded, removed, stored
 from worker_shim import EngineLoad, Normaliser, ShimConfig, ShimStatus, WorkerShim
 from worker_shim.adapters import trtllm
-from worker_shim.adapters.base import EngineError, LegRequest
+from worker_shim.adapters.base import EngineCold, EngineError, LegRequest
 from worker_shim.adapters.trtllm import TrtllmAdapter, disagg_body
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker
 from worker_shim.load_reporter import LoadReporter
@@ -101,12 +101,19 @@ async def test_the_shim_indexes_full_blocks_and_exports_the_partial_count(
             assert "kvswitch_shim_kv_transport_partial_total 2.0" in shim.metrics_text().decode()
 
 
-async def test_limits_give_the_tracker_the_engines_block_size_or_the_flag() -> None:
-    async with _engine({"/metrics": _json_route([])}) as url:
+@pytest.mark.parametrize("stats", [[{"kvCacheStats": {"maxNumBlocks": 512}}], []], ids=["no-tokensPerBlock", "none"])
+async def test_limits_give_the_tracker_the_engines_block_size_or_the_flag(stats: list[Any]) -> None:
+    """No stats at all is an engine that has served nothing yet: EngineCold (the shim warms it up)."""
+    async with _engine({"/metrics": _json_route(stats)}) as url:
         adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url, block_size=16))
         await adapter.open()
         try:
-            assert (await adapter.limits()).block_size is None and adapter.tracker.block_size == 16
+            if stats:
+                assert (await adapter.limits()).block_size is None
+            else:
+                with pytest.raises(EngineCold):
+                    await adapter.limits()
+            assert adapter.tracker.block_size == 16
         finally:
             await adapter.close()
 
@@ -237,7 +244,8 @@ async def test_limits_past_their_wait_fail_the_session_naming_return_perf_metric
                 await adapter.limits()
             assert err.value.code == 503 and "return_perf_metrics" in err.value.message
             with caplog.at_level(logging.WARNING, logger="worker_shim.adapters.trtllm"):
-                assert await adapter.load() == EngineLoad() and await adapter.load() == EngineLoad()
+                held = EngineLoad(stale=True)  # the last load (none yet), repeated
+                assert await adapter.load() == held and await adapter.load() == held
             assert len(caplog.records) == 1 and "return_perf_metrics: true" in caplog.records[0].getMessage()
             assert engine.calls == 1  # the held read is joined, not abandoned for a new one
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from worker_shim.adapters.base import (
     EngineAdapter,
+    EngineCold,
     EngineError,
     EngineHealth,
     EngineLimits,
@@ -16,6 +17,7 @@ from worker_shim.config import ShimConfig
 
 __all__ = [
     "EngineAdapter",
+    "EngineCold",
     "EngineError",
     "EngineHealth",
     "EngineLimits",

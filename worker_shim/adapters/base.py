@@ -6,12 +6,16 @@ HTTP API and its P/D handle. The shim owns everything else (normalisation, NATS,
 - `health()`: does the engine answer right now: UP, BUSY (it did not answer in time: alive but
   loaded, or hung) or DOWN (refused, reset, or an error status).
 - `limits()`: block size, KV capacity and batch budget, as far as the engine tells them.
-- `load()`: running/waiting requests and KV use.
+- `load()`: running/waiting requests and KV use; `stale` where the engine gave nothing new (the
+  last figures read, repeated).
 - `run_events(sink, live)`: deliver `EngineBatch`es to `sink`, awaiting each, until cancelled; set
   `live` once the event stream is known to work. `request_rebuild()` asks for the engine's whole
   state again (the normaliser met an unknown parent). Transport faults the adapter can see (no
   peer on the event socket, frames under another topic) go to `event_health`, which the shim also
-  feeds; `event_stats()` names the transport's counters for /metrics.
+  feeds; `event_stats()` names the transport's counters for /metrics, `events_lag_s()` how far a
+  polled stream is behind.
+- `EngineCold` from `limits()` or `run_events`: the engine reports nothing until it has served a
+  request (TensorRT-LLM); the shim has it serve one one-token request and asks again.
 - `tokenizer_fingerprint()`: protocol.fingerprint over the engine's own tokenization of the
   probes, None when the engine cannot tokenize for us.
 - `generate(leg, on_output)`: run one leg, awaiting `on_output(tokens, events, token_ids)` with
@@ -51,6 +55,7 @@ from worker_shim.event_health import EventHealth
 __all__ = [
     "PROBE_OUTPUT_TOKENS",
     "EngineAdapter",
+    "EngineCold",
     "EngineError",
     "EngineHealth",
     "EngineLimits",
@@ -87,6 +92,16 @@ class EngineError(Exception):
         self.body = body
         self.retry_after_s = retry_after_s
         super().__init__(f"{kind} ({code}): {message}")
+
+
+class EngineCold(EngineError):
+    """The engine reports nothing yet: it has served no request since it started (TensorRT-LLM's
+    /metrics answers [] and its /kv_cache_events 500 until its first request). The shim has it
+    serve one one-token request (WorkerShim._warm_up) and asks again; a 503, so a caller that does
+    not warm it fails the session, which is retried."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, "engine_unavailable", message)
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,6 +174,10 @@ class EngineLoad:
     reused_tokens: int | None = None
     # KV pulls the engine failed, cumulative (worker_shim.transfer_failures); None: it does not count them.
     failed_transfers: int | None = None
+    # The engine gave nothing new (TensorRT-LLM's /metrics answered [] or held its answer): these are
+    # the last figures read, repeated. No time is stamped on it (the stall watchdog takes no silence
+    # from it), and the load reports floor its requests at the shim's legs in flight.
+    stale: bool = False
 
 
 @dataclass(slots=True)
@@ -255,6 +274,11 @@ class EngineAdapter(ABC):
     def event_stats(self) -> dict[str, int]:
         """The event transport's counters since the adapter was made, by name (for /metrics)."""
         return {}
+
+    def events_lag_s(self) -> float | None:
+        """Seconds since the engine last answered a poll of its KV events (or since polling began),
+        for /health and /metrics; None where events are pushed, or no poll runs."""
+        return None
 
     def unknown_event_types(self) -> dict[str, int]:
         """Events of a type the shim does not know, dropped since the adapter was made, by type

@@ -2,15 +2,29 @@
 
 - Events: `POST /kv_cache_events` every `POLL_S` (trtllm_events.py). Live after the first answer.
   Events from several attention data-parallel ranks end the session (trtllm-serve cannot run a
-  request on a rank the shim names), and the next session's `limits()` refuses the engine.
+  request on a rank the shim names), and the next session's `limits()` refuses the engine. Some
+  revisions hold a poll until 2 s pass with no new event (`get_kv_cache_events_async(2)`): under
+  steady load, while the load lasts. The poll in flight is never given up (the events the engine
+  drained for it would be lost: it has no replay; the health probe tells a dead engine), one held
+  past EVENTS_HELD_SAY_S is said once, and `events_lag_s()` gives the time since the last answer.
+  An answer that is no JSON list (a proxy's error page) is a lost poll, not the session's end
+  (TrtllmEventTracker.lost).
+- Cold start: until its first request trtllm-serve has no stats and no event stream (executor.py:
+  `aget_stats` yields nothing, `aget_kv_events` asserts, which `/kv_cache_events` answers with a
+  500). `limits()` with no limits held and `run_events` with a 500 before any answer raise
+  EngineCold: the shim has the engine serve one one-token request and asks again.
 - Limits and load: `GET /metrics` returns JSON iteration stats (tensorrt_llm/serve/openai_server.py
   `get_iteration_stats`); the newest entry's `kvCacheStats` gives maxNumBlocks, usedNumBlocks and
   tokensPerBlock, `numActiveRequests` and `numQueuedRequests` the request counts. Reading drains
-  the engine's stats queue (an empty list means no iteration since the last read: the last load
-  stands). Both endpoints drain what they return: the shim must be their only reader. Without
-  `return_perf_metrics` trtllm-serve answers `/metrics` only once 2 s pass with no new iteration
-  (`get_stats_async(2)`), so under steady load it holds the answer while the load lasts: one read
-  is in flight at a time, and a `load()` it keeps waiting reports the last load (busy, not down).
+  the engine's stats queue: an idle engine answers [] again after a read, so the limits read are
+  held for the engine's life and stand for a later session's empty answer; a /health that says
+  down or event ids that start over (a restart) drop them. A load read of [] (no iteration since
+  the last read, or a buffered /metrics not refilled until a request finishes) is the last load,
+  marked stale. Both endpoints drain what they return: the shim must be their only reader.
+  Without `return_perf_metrics` trtllm-serve answers `/metrics` only once 2 s pass with no new
+  iteration (`get_stats_async(2)`), so under steady load it holds the answer while the load lasts:
+  one read is in flight at a time, and a `load()` it keeps waiting reports the last load, stale
+  (busy, not down).
 - Requests: the client's own OpenAI request (openai_http.pass_through_body), or a token-id leg
   (refused with a `cache_salt`: its CompletionRequest has none; `detokenize: false`, without which
   trtllm-serve returns text and no token ids).
@@ -26,6 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import aiohttp
@@ -33,7 +49,9 @@ import msgspec
 
 from protocol.messages import ENDPOINT_CHAT
 from worker_shim.adapters.base import (
+    EngineCold,
     EngineError,
+    EngineHealth,
     EngineLimits,
     EngineLoad,
     LegOutcome,
@@ -54,9 +72,11 @@ __all__ = ["POLL_S", "TrtllmAdapter", "disagg_body", "limits_from_stats", "load_
 
 POLL_S = 0.05
 # trtllm-serve revisions that answer with get_kv_cache_events_async(2) hold the poll until 2 s pass
-# with no new event: under the probes' 2 s total a poll timed out with events the engine had already
-# handed over, lost for good (TensorRT-LLM has no replay), and ended the shim's session.
-EVENTS_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=30.0)
+# with no new event: under steady load, for as long as it lasts. A read deadline (the probes' 2 s
+# until 2026-12-04, then 30 s) timed the poll out with the events the engine had handed over, lost
+# for good (no replay), and ended the session: under load the worker re-registered every 30 s.
+EVENTS_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
+EVENTS_HELD_SAY_S = 10.0  # a poll held this long is said once: the index lags the engine under load
 # /metrics without return_perf_metrics (get_stats_async(2)) answers 2 s after the last iteration:
 # under steady load, only once the load pauses. A read given up on loses the stats the engine
 # drained for it, so it is never given up (the health probe tells a dead engine); `load()` waits
@@ -95,9 +115,11 @@ def _number(kv: dict[str, Any], name: str) -> Any:
 
 
 def load_from_stats(stats: Any, previous: EngineLoad) -> EngineLoad:
+    """The newest stats' load; `previous` marked stale where there is none (no iteration since the
+    last read, or a buffered /metrics not refilled yet: nothing says the engine is still so)."""
     s = _newest(stats)
     if s is None:
-        return previous
+        return replace(previous, stale=True)
     kv = s.get("kvCacheStats") or {}
     if not isinstance(kv, dict):  # .get raised AttributeError: an ERROR with a traceback, no field named
         raise EngineError(502, "engine_protocol", f"the engine's kvCacheStats is {kv!r}, not a JSON object")
@@ -111,6 +133,13 @@ def load_from_stats(stats: Any, previous: EngineLoad) -> EngineLoad:
 
 
 _MAX_TOKENS = ("max_tokens", "max_completion_tokens")
+
+
+class _NoJson(EngineError):
+    """A 200 whose body is no JSON: the engine (or a proxy before it) answered, wrongly."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(502, "engine_protocol", message)
 
 
 def disagg_body(leg: LegRequest) -> dict[str, Any]:
@@ -163,6 +192,11 @@ class TrtllmAdapter(HttpEngineAdapter):
         self._load = EngineLoad()
         self._metrics: asyncio.Task[bytes] | None = None  # the /metrics read in flight
         self._held_said = False
+        # The engine's limits as last read: its /metrics hands each stat out once, so an idle engine
+        # answers [] to the next session. Dropped when it may have restarted (health(), run_events).
+        self._limits: EngineLimits | None = None
+        self._polled_at: float | None = None  # when the events poll last answered (or polling began)
+        self._events_held_said = False
 
     async def close(self) -> None:
         task, self._metrics = self._metrics, None
@@ -193,12 +227,20 @@ class TrtllmAdapter(HttpEngineAdapter):
             return msgspec.json.decode(body)
         except msgspec.DecodeError as exc:
             # A 200 whose body is no JSON: the engine answered, wrongly (it was an "unavailable" 503).
-            raise EngineError(502, "engine_protocol", f"{self.base}{path} answered no JSON: {exc}") from exc
+            raise _NoJson(f"{self.base}{path} answered no JSON: {exc}") from exc
+
+    async def health(self) -> EngineHealth:
+        health = await super().health()
+        if health is EngineHealth.DOWN:
+            self._limits = None  # it may come back as another engine, which reports once it has served
+        return health
 
     async def limits(self) -> EngineLimits:
-        """The limits in the newest iteration stats; a /metrics of another kind of engine (vLLM's
-        or SGLang's Prometheus text) is a wrong --engine, and an engine whose KV events came from
-        several attention data-parallel ranks (the session that saw them ended) is refused."""
+        """The limits in the newest iteration stats, or those held from the engine's last answer
+        with stats (an idle engine answers []); EngineCold where neither is (it has served nothing
+        yet). A /metrics of another kind of engine (vLLM's or SGLang's Prometheus text) is a wrong
+        --engine, and an engine whose KV events came from several attention data-parallel ranks
+        (the session that saw them ended) is refused."""
         if len(self.tracker.ranks) > 1:
             raise attention_dp_error(self.tracker.ranks)
         body = await self._read_metrics(LIMITS_WAIT_S)
@@ -212,37 +254,91 @@ class TrtllmAdapter(HttpEngineAdapter):
         check_engine_kind(self.kind, self.base, body)
         stats = self._decode("/metrics", body)
         self._load = load_from_stats(stats, self._load)  # drained: no load read sees them again
-        limits = limits_from_stats(stats)
+        if stats != []:
+            self._limits = limits_from_stats(stats)
+        limits = self._limits
         # A full block for the tracker: the block size the shim runs with (_checked in shim.py).
-        self.tracker.block_size = limits.block_size or self.config.block_size
+        self.tracker.block_size = (limits.block_size if limits else None) or self.config.block_size
+        if limits is None:
+            raise EngineCold(
+                f"the engine at {self.base} has reported no iteration stats yet (/metrics answered []): "
+                "trtllm-serve has none until it has served a request (none at all without enable_iter_perf_stats)"
+            )
         return limits
 
     async def load(self) -> EngineLoad:
-        """The newest stats' load; the last one while the engine holds its /metrics answer (busy:
-        it answers once 2 s pass with no iteration), said once."""
+        """The newest stats' load; the last one, stale, where the engine answers [] or holds its
+        /metrics answer (busy: it answers once 2 s pass with no iteration; said once)."""
         body = await self._read_metrics(LOAD_WAIT_S)
         if body is not None:
             self._load = load_from_stats(self._decode("/metrics", body), self._load)
-        elif not self._held_said:
+            return self._load
+        if not self._held_said:
             self._held_said = True
             log.warning(
                 "%s/metrics has held its answer for %.1fs while the engine works (trtllm-serve without "
-                "return_perf_metrics answers only after 2 s with no iteration): reporting the last load "
-                "read until it answers; set return_perf_metrics: true for a current load",
+                "return_perf_metrics answers only after 2 s with no iteration): the last load read is "
+                "reported, stale, until it answers; set return_perf_metrics: true for a current load",
                 self.base,
                 LOAD_WAIT_S,
             )
-        return self._load
+        return replace(self._load, stale=True)
 
     async def run_events(self, sink: EventSink, live: asyncio.Event) -> None:
+        """EngineCold for a 500 before the first answer (a trtllm-serve that has served nothing)."""
         await sink(EngineBatch(reset=True, complete=False))  # what the engine cached before this reader is unknown
-        while True:
-            events = await self._json("POST", "/kv_cache_events", EVENTS_TIMEOUT)
-            live.set()
-            batch = self.tracker.fold(events)  # malformed events: counted, logged once, dropped
-            if batch.events or batch.reset:
-                await sink(batch)
-            await asyncio.sleep(POLL_S)
+        self._polled_at = time.monotonic()
+        answered = False
+        try:
+            while True:
+                try:
+                    events = await self._poll_events()
+                except _NoJson as exc:
+                    batch = self.tracker.lost(exc.message, "no JSON")
+                except EngineError as exc:
+                    if exc.code == 500 and not answered:
+                        raise EngineCold(
+                            f"{self.base}/kv_cache_events answered this stream's first poll with a 500: "
+                            "trtllm-serve's event stream fails (KV Event IterationResult is not properly "
+                            "instantiated) until it has served a request"
+                        ) from exc
+                    raise
+                else:
+                    restarts = self.tracker.restarts
+                    batch = self.tracker.fold(events)  # malformed events: counted, logged once, dropped
+                    if self.tracker.restarts != restarts:
+                        self._limits = None  # another engine: its limits are read anew
+                answered, self._polled_at = True, time.monotonic()
+                live.set()
+                if batch.events or batch.reset:
+                    await sink(batch)
+                await asyncio.sleep(POLL_S)
+        finally:
+            self._polled_at = None
+
+    async def _poll_events(self) -> Any:
+        """One poll's answer, however long the engine holds it (said once past EVENTS_HELD_SAY_S)."""
+        poll = asyncio.ensure_future(self._json("POST", "/kv_cache_events", EVENTS_TIMEOUT))
+        try:
+            await asyncio.wait([poll], timeout=EVENTS_HELD_SAY_S)
+            if not poll.done() and not self._events_held_said:
+                self._events_held_said = True
+                log.warning(
+                    "%s/kv_cache_events has held a poll for %.0fs: this trtllm-serve answers only once 2 s pass "
+                    "with no new KV event (get_kv_cache_events_async(2)), so under load it cannot give a current "
+                    "index: routers see this worker's cache as of its last answer (the lag: events_lag_s on the "
+                    "shim's /health, kvswitch_shim_kv_events_poll_lag_seconds). The poll is kept, not given up; "
+                    "a trtllm-serve that answers at once (get_kv_cache_events_async(0)) has no lag",
+                    self.base,
+                    EVENTS_HELD_SAY_S,
+                )
+            return await poll
+        finally:
+            poll.cancel()  # none once it answered; the session's end cancels the poll in flight
+
+    def events_lag_s(self) -> float | None:
+        at = self._polled_at
+        return None if at is None else time.monotonic() - at
 
     def request_rebuild(self) -> None:
         """TensorRT-LLM cannot replay: the state stays partial until the engine restarts."""

@@ -48,7 +48,12 @@ indexing them would be credited with every rank's cache while its requests land 
 events from a second rank are a ConfigError, not folded.
 
 A malformed event is counted, logged once per kind and dropped on its own; its event id, when
-readable, still counts for continuity.
+readable, still counts for continuity. A poll answer that is no JSON list (a proxy's error page, a
+cut body) is counted as malformed too, logged once per kind, and is a gap: the engine drained its
+events for that answer, so the state resets, incomplete, at once (the next event's id, past the
+lost ones, is then no second gap). Until 2026-12-07 an answer that was no JSON ended the session
+(the worker re-registered under a new id, counted nowhere), and one of JSON that was no list
+waited for the next event's id to show the gap, its removals credited until then.
 """
 
 from __future__ import annotations
@@ -176,14 +181,13 @@ class TrtllmEventTracker:
     window: int | None = None  # the largest attention window seen since the engine started
     ranks: set[int] = field(default_factory=set)  # attention data-parallel ranks seen (untagged: 0)
     _logged: set[str] = field(default_factory=set)
+    _after_lost: bool = False  # a poll's answer was lost since the last event: reset already
 
     def fold(self, events: Any) -> EngineBatch:
         """One poll's events; raises ConfigError once they come from a second attention-DP rank."""
         batch = EngineBatch()
         if not isinstance(events, list):
-            # Whatever it drained shows as an event-id gap in the next answer.
-            self._malformed(EventDecodeError("trtllm", "/kv_cache_events answered no JSON list"))
-            return batch
+            return self.lost("/kv_cache_events answered JSON that is no list", "no JSON list")
         for ev in events:
             if isinstance(ev, dict) and not ev:
                 self.ignored += 1
@@ -214,6 +218,22 @@ class TrtllmEventTracker:
                 self._malformed(exc)
         return batch
 
+    def lost(self, detail: str, kind: str) -> EngineBatch:
+        """A poll answer that is no JSON list: the events the engine drained for it are lost. A
+        malformed answer (counted, logged once per `kind`) and a gap: the state resets, incomplete."""
+        self.malformed += 1
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning(
+                "%s (logged once per kind): the events the engine handed over for it are lost, so the KV state "
+                "resets, incomplete (kvswitch_shim_kv_events_malformed_total counts each)",
+                detail,
+            )
+        batch = EngineBatch()
+        self._reset(batch, complete=False)
+        self._after_lost = True
+        return batch
+
     def _step(self, eid: int, kind: object, batch: EngineBatch) -> None:
         """Event-id continuity: ids count up by one from the engine's start (its created events)."""
         last = self.last_id
@@ -223,10 +243,10 @@ class TrtllmEventTracker:
             self._reset(batch, complete=eid == 0)
         elif last is None and kind == "created":
             self._reset(batch, complete=eid == 0)
-        elif last is not None and eid != last + 1:
+        elif last is not None and eid != last + 1 and not self._after_lost:
             self.gaps += 1
             self._reset(batch, complete=False)
-        self.last_id = eid
+        self.last_id, self._after_lost = eid, False
 
     def _fold(self, kind: object, data: dict[str, Any], window: object, batch: EngineBatch) -> None:
         if kind == "created":

@@ -1,0 +1,423 @@
+"""The TensorRT-LLM adapter across a shim's sessions, against stand-ins shaped as trtllm-serve
+answers (tensorrt_llm/executor/executor.py, serve/openai_server.py): an engine that has served
+nothing yet, limits an idle engine hands out once, an events poll held while events keep coming,
+a load read that repeats the last one, and a poll answer that is no JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+import pytest
+from aiohttp import web
+from nats.aio.msg import Msg
+
+from protocol import GenerateRequest, LoadReport, SamplingParams, decode_msg, subjects
+from protocol.config import EtcdSettings, NatsSettings
+from tests.router.polling import until
+from tests.worker_shim.cluster import collector
+from tests.worker_shim.test_request_service import Collector
+from tests.worker_shim.test_trtllm_adapter import CREATED, stored
+from tests.worker_shim.test_trtllm_serve import TPB, USABLE, _engine, chopped
+from worker_shim import ShimConfig, ShimStatus, WorkerShim
+from worker_shim.adapters import trtllm
+from worker_shim.adapters.base import EngineCold, EngineHealth
+from worker_shim.adapters.trtllm import TrtllmAdapter
+from worker_shim.engine_events import EngineBatch, EngineStored
+
+STATS = {"numActiveRequests": 0, "numQueuedRequests": 0,
+         "kvCacheStats": {"maxNumBlocks": 512, "usedNumBlocks": 0, "tokensPerBlock": TPB}}  # fmt: skip
+
+
+def _settings(nats_url: str, etcd_url: str) -> tuple[NatsSettings, EtcdSettings]:
+    return NatsSettings(servers=[nats_url]), EtcdSettings(endpoints=[etcd_url])
+
+
+async def _ok(request: web.Request) -> web.Response:
+    return web.Response()
+
+
+def _completion(token_ids: list[int]) -> dict[str, Any]:
+    """A non-streamed /v1/completions answer with `detokenize: false`."""
+    choice = {"index": 0, "text": "", "token_ids": token_ids, "finish_reason": "length"}
+    usage = {"prompt_tokens": 1, "completion_tokens": len(token_ids), "total_tokens": 1 + len(token_ids)}
+    return {"choices": [choice], "usage": usage}
+
+
+# --- an engine that has served nothing yet ---------------------------------------------------------
+
+
+@dataclass
+class _Fresh:
+    """A trtllm-serve that has run no request: `aget_stats` is empty_async_iterable() (/metrics
+    answers []) and `aget_kv_events` asserts, which get_kv_cache_events does not catch (FastAPI: a
+    500), until its first generate_async. `stats_first`: its /metrics answers at once, as an engine
+    restarted under limits the shim held would look."""
+
+    stats_first: bool = False
+    generated: int = 0
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.json_response([STATS] if self.generated or self.stats_first else [])
+
+    async def events(self, request: web.Request) -> web.Response:
+        if not self.generated:
+            return web.Response(status=500, text="Internal Server Error")
+        return web.json_response([])
+
+    async def completions(self, request: web.Request) -> web.Response:
+        self.generated += 1
+        return web.json_response(_completion([7]))
+
+    def routes(self) -> dict[str, Any]:
+        return {"/metrics": self.metrics, "/kv_cache_events": self.events, "/health": _ok,
+                "/v1/completions": self.completions}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("block_size", "stats_first"), [(None, False), (TPB, False), (None, True)], ids=["no-flag", "block-size", "events"]
+)
+async def test_an_engine_that_has_served_nothing_gets_one_request_and_the_worker_registers(
+    ns: str, nats_url: str, etcd_url: str, block_size: int | None, stats_first: bool
+) -> None:
+    """Until 2026-12-07 a fresh trtllm-serve never got a worker: without --block-size its [] ended the
+    shim ("give --block-size"); with it, or with its stats there, the event stream's 500 failed every
+    session before registration, and the engine saw no request ever."""
+    engine = _Fresh(stats_first)
+    async with _engine(engine.routes()) as url:
+        cfg = ShimConfig(engine="trtllm", engine_url=url, model="m", namespace=ns, health_interval_s=0.1,
+                         block_size=block_size)  # fmt: skip
+        async with WorkerShim(cfg, *_settings(nats_url, etcd_url)) as shim:
+            await until(lambda: shim.status in (ShimStatus.REGISTERED, ShimStatus.FAILED), 10, "registered")
+            assert shim.status is ShimStatus.REGISTERED, shim.failure
+            assert (engine.generated, shim.probe.alive, shim.session_failures) == (1, 1, 0)
+            assert shim.limits.block_size == TPB
+            # The events poll answers at once here: the lag stays small, on /health and /metrics.
+            lag = shim.health_report()[1]["events_lag_s"]
+            assert lag is not None and 0 <= lag < 1
+            assert "kvswitch_shim_kv_events_poll_lag_seconds " in shim.metrics_text().decode()
+
+
+async def test_with_no_endpoint_probe_a_fresh_engine_gets_no_request_and_the_session_says_why(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = _Fresh()
+    async with _engine(engine.routes()) as url:
+        cfg = ShimConfig(engine="trtllm", engine_url=url, model="m", namespace=ns, health_interval_s=0.1,
+                         no_endpoint_probe=True)  # fmt: skip
+        with caplog.at_level(logging.ERROR, logger="worker_shim.shim"):
+            async with WorkerShim(cfg, *_settings(nats_url, etcd_url)) as shim:
+                await until(lambda: shim.session_failures >= 1, 10, "a failed session")
+                assert shim.status is ShimStatus.WAITING_ENGINE and engine.generated == 0  # retried, not ended
+        said = [r.getMessage() for r in caplog.records]
+        assert any("--no-endpoint-probe sends it no one-token request" in m for m in said), said
+
+
+@pytest.mark.parametrize("block_size", [TPB, None], ids=["block-size", "no-flag"])
+async def test_an_engine_with_no_stats_after_its_warm_up_takes_the_flags_or_is_retried(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, block_size: int | None
+) -> None:
+    """A trtllm-serve without enable_iter_perf_stats answers [] for good: --block-size stands in
+    (one WARNING), as before 2026-12-07; without it the session fails and is retried, no startup
+    error (the stats of one with them may only lag its first answer)."""
+    engine = _Fresh()
+
+    async def no_stats(request: web.Request) -> web.Response:
+        return web.json_response([])
+
+    async with _engine({**engine.routes(), "/metrics": no_stats}) as url:
+        cfg = ShimConfig(engine="trtllm", engine_url=url, model="m", namespace=ns, health_interval_s=0.1,
+                         block_size=block_size)  # fmt: skip
+        with caplog.at_level(logging.WARNING, logger="worker_shim.shim"):
+            async with WorkerShim(cfg, *_settings(nats_url, etcd_url)) as shim:
+                if block_size is None:
+                    await until(lambda: shim.session_failures >= 2, 10, "failed sessions")
+                    assert shim.status is ShimStatus.WAITING_ENGINE and shim.failure is None
+                    return
+                await until(lambda: shim.serving, 10, "registered")
+                assert (shim.limits.block_size, engine.generated, shim.session_failures) == (TPB, 1, 0)
+        said = [r.getMessage() for r in caplog.records if "the flags stand in" in r.getMessage()]
+        assert len(said) == 1 and "enable_iter_perf_stats" in said[0], said
+
+
+async def test_an_event_stream_still_failing_after_the_warm_up_fails_the_session_once_per_request(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 500 that a served request does not cure is no cold engine: the session fails (an ERROR,
+    counted, retried after a wait that doubles), one one-token request each, never a tight loop."""
+    engine = _Fresh(stats_first=True)
+
+    async def broken(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="Internal Server Error")
+
+    async with _engine({**engine.routes(), "/kv_cache_events": broken}) as url:
+        cfg = ShimConfig(engine="trtllm", engine_url=url, model="m", namespace=ns, health_interval_s=0.1)
+        with caplog.at_level(logging.ERROR, logger="worker_shim.shim"):
+            async with WorkerShim(cfg, *_settings(nats_url, etcd_url)) as shim:
+                await until(lambda: shim.session_failures >= 3, 10, "three failed sessions")
+                assert shim.status is ShimStatus.WAITING_ENGINE and shim.registration_count == 0
+                assert engine.generated in (shim.session_failures, shim.session_failures + 1)
+        said = [r.getMessage() for r in caplog.records]
+        assert any("still so after it served one" in m for m in said), said
+
+
+async def test_a_stop_during_the_warm_up_ends_it_at_once_and_is_no_failed_session(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The one-token request may take up to --stall-limit-s: a stop cancels it (its connection
+    closed), and the session that was starting ends without an ERROR."""
+    engine = _Fresh()
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def stuck(request: web.Request) -> web.Response:
+        arrived.set()
+        await release.wait()  # the stand-in's handler outlives the shim's closed connection
+        return web.Response()
+
+    async with _engine({**engine.routes(), "/v1/completions": stuck}) as url:
+        cfg = ShimConfig(engine="trtllm", engine_url=url, model="m", namespace=ns, health_interval_s=0.1,
+                         stall_limit_s=60.0)  # fmt: skip
+        with caplog.at_level(logging.WARNING, logger="worker_shim.shim"):
+            shim = WorkerShim(cfg, *_settings(nats_url, etcd_url))
+            await shim.start()
+            await asyncio.wait_for(arrived.wait(), 10)
+            t0 = time.monotonic()
+            await shim.stop()
+            release.set()
+        assert time.monotonic() - t0 < 3 and shim.status is ShimStatus.STOPPED and shim.session_failures == 0
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_the_limits_read_hold_for_an_idle_engines_empty_answers_until_it_may_have_restarted() -> None:
+    """trtllm-serve hands each iteration's stats out once: after the first read an idle engine
+    answers []. Until 2026-12-07 that was "no limits": a second session (any NATS blip) ended the
+    shim asking for --block-size. Held, they are dropped when /health says down or the events
+    start over (a restart), where the next engine may have others."""
+    reads: list[list[Any]] = []
+    health = {"status": 200}
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response(reads.pop(0) if reads else [])
+
+    async def health_route(request: web.Request) -> web.Response:
+        return web.Response(status=health["status"])
+
+    polls = [[CREATED, stored(1, None, (11, [1] * TPB))], [CREATED]]
+
+    async def kv_cache_events(request: web.Request) -> web.Response:
+        return web.json_response(polls.pop(0) if polls else [])
+
+    routes = {"/metrics": metrics, "/health": health_route, "/kv_cache_events": kv_cache_events}
+    async with _engine(routes) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+            reads.append([STATS])
+            assert (await adapter.limits()).block_size == TPB
+            assert (await adapter.limits()).block_size == TPB  # [] now: the limits read stand
+            health["status"] = 503
+            assert await adapter.health() is EngineHealth.DOWN
+            with pytest.raises(EngineCold):  # it may be back as another engine
+                await adapter.limits()
+            reads.append([STATS])
+            assert (await adapter.limits()).block_size == TPB
+            got: list[EngineBatch] = []
+            task = asyncio.create_task(adapter.run_events(collector(got), asyncio.Event()))
+            await until(lambda: not polls, 5, "the engine's start shown again (event 0)")
+            await until(lambda: adapter.tracker.restarts == 1, 5, "the restart seen")
+            task.cancel()
+            with pytest.raises(EngineCold):
+                await adapter.limits()
+        finally:
+            await adapter.close()
+
+
+# --- an events poll the engine holds while events keep coming -------------------------------------
+
+
+def test_the_events_poll_has_no_read_deadline() -> None:
+    """trtllm-serve's get_kv_cache_events_async(2) answers once 2 s pass with no new event: under
+    steady load, not while it lasts. A 30 s read deadline (until 2026-12-07) gave up such a poll,
+    lost the events the engine had handed over for it, and ended the session: the worker
+    re-registered every 30 s (an audit: 300 events handed over, 0 received). Liveness is the
+    health probe's to judge."""
+    timeout = trtllm.EVENTS_TIMEOUT
+    assert (timeout.total, timeout.sock_read) == (None, None)
+
+
+class _HeldEvents:
+    """get_kv_cache_events_async(`quiet_s`): a poll answers once `quiet_s` pass with no new event."""
+
+    def __init__(self, quiet_s: float) -> None:
+        self.quiet_s = quiet_s
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.handed = 0
+        self.eid = 0
+
+    async def events(self, request: web.Request) -> web.Response:
+        got = []
+        while True:
+            try:
+                got.append(await asyncio.wait_for(self.queue.get(), self.quiet_s))
+            except TimeoutError:
+                break
+        self.handed += len(got)
+        return web.json_response(got)
+
+    async def traffic(self, seconds: float) -> None:
+        """A stored event every 50 ms."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.eid += 1
+            self.queue.put_nowait(stored(self.eid, None, (1000 + self.eid, [self.eid] * TPB)))
+            await asyncio.sleep(0.05)
+
+
+async def test_a_poll_held_under_steady_events_is_kept_said_once_and_its_lag_shown(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(trtllm, "EVENTS_HELD_SAY_S", 0.4)
+    engine = _HeldEvents(quiet_s=0.3)
+    engine.queue.put_nowait(CREATED)
+    async with _engine({"/kv_cache_events": engine.events}) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url, block_size=TPB))
+        await adapter.open()
+        got: list[EngineBatch] = []
+        task = asyncio.create_task(adapter.run_events(collector(got), live := asyncio.Event()))
+        try:
+            with caplog.at_level(logging.WARNING, logger="worker_shim.adapters.trtllm"):
+                for _ in range(2):  # two bursts, each poll held while it lasts
+                    burst = asyncio.create_task(engine.traffic(1.0))
+                    await asyncio.sleep(0.8)
+                    lag = adapter.events_lag_s()
+                    assert lag is not None and lag > 0.6  # the poll in flight since the burst began
+                    await burst
+                    await until(lambda: engine.queue.empty() and (adapter.events_lag_s() or 9) < 0.3, 5, "answered")
+            assert live.is_set() and not task.done()
+            received = sum(1 for b in got for e in b.events if isinstance(e, EngineStored))
+            assert received == engine.handed - 1 == engine.eid  # every event handed over (less CREATED)
+            said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert len(said) == 1 and "cannot give a current index" in said[0]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await adapter.close()
+    assert adapter.events_lag_s() is None  # no poll runs
+
+
+# --- a load read that repeats the last one ----------------------------------------------------------
+
+
+class _Buffered:
+    """trtllm-serve with return_perf_metrics and enable_iter_perf_stats (PR #13405): /metrics
+    answers at once from a buffer its collector refills only once a request finishes, so from idle a
+    long request reads [] until it ends. `legacy`: get_stats_async(2), held while iterations run.
+    One non-streamed request runs `run_s`."""
+
+    def __init__(self, run_s: float, legacy: bool) -> None:
+        self.run_s = run_s
+        self.legacy = legacy
+        self.running = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.reads = [[STATS]]  # the idle engine's last iteration, then nothing until a completion
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if self.legacy:
+            await self.idle.wait()
+        return web.json_response(self.reads.pop(0) if self.reads else [])
+
+    async def completions(self, request: web.Request) -> web.Response:
+        self.running += 1
+        self.idle.clear()
+        await asyncio.sleep(self.run_s)  # decoding: iterations run, none of them finished yet
+        self.running -= 1
+        self.idle.set()
+        return web.json_response(_completion(list(range(64))))
+
+    def routes(self) -> dict[str, Any]:
+        kv = iter([[CREATED]])
+
+        async def kv_cache_events(request: web.Request) -> web.Response:
+            return web.json_response(next(kv, []))
+
+        return {"/metrics": self.metrics, "/kv_cache_events": kv_cache_events, "/health": _ok,
+                "/v1/completions": self.completions}  # fmt: skip
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["buffered", "legacy"])
+async def test_a_long_non_streamed_request_from_idle_is_no_hang_and_its_worker_reads_busy(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, legacy: bool
+) -> None:
+    """Until 2026-12-07 TensorRT-LLM's [] (or a held /metrics) repeated the idle load as fresh:
+    the stall watchdog saw no progress and ended the request as hung after --stall-limit-s (the
+    worker deregistered), and the load reports told routers the busy worker was idle."""
+    engine = _Buffered(run_s=3.5, legacy=legacy)
+    nc = await nats.connect(nats_url)
+    reports: list[LoadReport] = []
+    async with _engine(engine.routes()) as url:
+        cfg = ShimConfig(engine="trtllm", engine_url=url, model="m", namespace=ns, health_interval_s=0.1,
+                         stall_limit_s=1.5, load_period_s=0.2)  # fmt: skip
+        with caplog.at_level(logging.INFO):
+            async with WorkerShim(cfg, *_settings(nats_url, etcd_url)) as shim:
+                await until(lambda: shim.worker_id is not None and shim.serving, 10, "registered")
+                worker = shim.worker_id
+                assert worker is not None
+
+                async def on_load(msg: Msg) -> None:
+                    reports.append(decode_msg(msg.data, LoadReport))
+
+                await nc.subscribe(subjects.load(ns, worker), cb=on_load)
+                col = Collector(nc)
+                await col.start()
+                req = GenerateRequest(request_id="long", model="m", token_ids=list(range(1, 100)),
+                                      sampling=SamplingParams(max_tokens=64), stream=False)  # fmt: skip
+                await col.send(subjects.gen(ns, "agg", worker), req)
+                await until(lambda: engine.running == 1, 5, "the request on the engine")
+                await asyncio.sleep(1.0)
+                during = reports[-1]
+                final = await col.final("long", timeout=10)
+                assert final.error is None and final.finish_reason == "length"
+                assert (shim.worker_id, shim.registration_count, shim.serving) == (worker, 1, True)
+                assert during.running == 1  # the shim's own leg, under the repeated idle figures
+    await nc.close()
+    assert not [r.getMessage() for r in caplog.records if "no progress" in r.getMessage()]
+
+
+# --- a poll answer that is no JSON ---------------------------------------------------------------
+
+
+async def test_one_poll_answered_with_a_proxys_page_is_a_counted_gap_not_a_new_worker(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """Until 2026-12-07 one such answer ended the event stream, so the session: the worker
+    re-registered under a new id, kv_events_malformed_total and session_failures_total at 0."""
+    bad = {"left": 0}
+    polls = [[CREATED, chopped(1, None, USABLE, 0x100)]]
+
+    async def kv_cache_events(request: web.Request) -> web.Response:
+        if bad["left"]:
+            bad["left"] -= 1
+            return web.Response(body=b"<html>502 Bad Gateway</html>", content_type="text/html")
+        return web.json_response(polls.pop(0) if polls else [])
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response([STATS])
+
+    routes = {"/kv_cache_events": kv_cache_events, "/metrics": metrics, "/health": _ok}
+    async with _engine(routes) as url:
+        cfg = ShimConfig(engine="trtllm", engine_url=url, model="m", namespace=ns, health_interval_s=0.1)
+        async with WorkerShim(cfg, *_settings(nats_url, etcd_url)) as shim:
+            await until(lambda: shim.serving and len(shim.canonical_hashes()) == 4, 10, "the stored blocks indexed")
+            worker = shim.worker_id
+            bad["left"] = 1
+            await until(lambda: bad["left"] == 0, 5, "the page served")
+            await until(lambda: not shim.canonical_hashes(), 5, "the state reset")
+            await asyncio.sleep(0.5)  # polls go on
+            text = shim.metrics_text().decode()
+            assert (shim.worker_id, shim.registration_count, shim.session_failures) == (worker, 1, 0)
+            assert shim.serving and "kvswitch_shim_kv_events_malformed_total 1.0" in text
