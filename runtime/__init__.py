@@ -45,9 +45,11 @@ LISTEN_BACKLOG = 2048
 """The listen backlog of the HTTP servers clients burst into (the router's front door, engine_sim):
 vLLM's server listens with uvicorn's default of 2048; aiohttp's 128 reset the connections of a burst
 while the event loop was busy (a shim opens one per leg, bench chaos's overload_5x)."""
-SHOWN_CHARS = 200
+SHOWN_CHARS = 1000
 """The most of an error's text a log line or a status field shows: a repr can carry a whole foreign
-body (a UnicodeDecodeError's holds every byte it was given: an engine's /metrics, 21 KB a line)."""
+body (a UnicodeDecodeError's holds every byte it was given: an engine's /metrics, 21 KB a line).
+Room for the project's own longest errors, whose advice comes last (a TensorRT-LLM engine's cold
+start names --no-endpoint-probe after some 300 characters): 200 cut it off."""
 
 
 def clipped(text: str, limit: int = SHOWN_CHARS) -> str:
