@@ -416,8 +416,17 @@ class Discovery:
         )
 
     def watch_routers(self) -> AsyncGenerator[WatchEvent[RouterInfo], None]:
+        """A Snapshot of /{ns}/routers/, then each change; names are router ids. A record that does
+        not decode is not logged here, as in `watch_workers`: its key reads as absent, with why, for
+        the consumer to report once per key and count (router.replica_sync in a router,
+        worker_shim.orphaned_legs in a shim). Logged here, each bad put was a WARNING in every router
+        and every shim, uncapped (logonce audit of 2026-12-07)."""
         return watch_prefix(
-            self.client, subjects.routers_prefix(self.ns), self._parser(RouterInfo), failed=self._failed
+            self.client,
+            subjects.routers_prefix(self.ns),
+            self._parser(RouterInfo),
+            failed=self._failed,
+            log_skipped=False,
         )
 
     async def readable(self, prefix: str) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Collection, Mapping
-from typing import Annotated, Any, Literal, NewType, TypeVar
+from typing import Annotated, Any, Literal, NewType, TypeVar, get_args
 
 import msgspec
 
@@ -26,6 +26,7 @@ __all__ = [
     "ENDPOINT_TOKENIZE",
     "ENGINE_HEADERS",
     "MAX_KV_TOTAL_BLOCKS",
+    "NEWER_SCHEMA",
     "RETRY_AFTER_MAX_S",
     "SCHEMA_VERSION",
     "UTILITY_ENDPOINTS",
@@ -56,6 +57,7 @@ __all__ = [
     "WorkerInfo",
     "adapter_named",
     "asks_prompt_logprobs",
+    "decode_extensible",
     "decode_json",
     "decode_msg",
     "encode_json",
@@ -63,6 +65,7 @@ __all__ = [
     "lax_bool",
     "lax_int",
     "load_report_problem",
+    "named_sender",
     "serving",
     "transfer_handle_bound",
     "worker_info_problem",
@@ -712,7 +715,8 @@ def encode_msg(msg: msgspec.Struct) -> bytes:
         raise ProtocolError(type(msg).__name__, _TOO_DEEP) from None
 
 
-_NEWER_SCHEMA = "written with a newer schema version"
+NEWER_SCHEMA = "written with a newer schema version"
+"""The `ProtocolError.kind` of a message refused for its `v`: its sender runs a newer kvswitch."""
 
 
 def _readable(msg: T, kind: type[T]) -> T:
@@ -720,9 +724,9 @@ def _readable(msg: T, kind: type[T]) -> T:
     if isinstance(msg, _Msg) and msg.v > SCHEMA_VERSION:
         raise ProtocolError(
             kind.__name__,
-            f"{_NEWER_SCHEMA} ({msg.v}) than this process reads ({SCHEMA_VERSION}): its sender runs a newer, "
+            f"{NEWER_SCHEMA} ({msg.v}) than this process reads ({SCHEMA_VERSION}): its sender runs a newer, "
             "incompatible kvswitch; upgrade this process (docs/deployment.md, Upgrades)",
-            _NEWER_SCHEMA,
+            NEWER_SCHEMA,
         )
     return msg
 
@@ -740,6 +744,69 @@ def decode_msg(data: bytes, kind: type[T]) -> T:
     except RecursionError:
         raise ProtocolError(kind.__name__, _TOO_DEEP) from None
     return _readable(msg, kind)
+
+
+# The messages a newer kvswitch may extend with kinds of its items without raising `v` (docs/decisions.md,
+# "Kinds a newer kvswitch adds"): message -> (its list field, the field telling its items apart,
+# the values this build knows). A repair reply's batches are not among them: a reply that holds an
+# unknown event is refused, and the repair takes a full dump, which carries hashes alone.
+_EXTENSIBLE: dict[type[Any], tuple[str, str, frozenset[str]]] = {
+    KvEventBatch: ("events", "type", frozenset(str(e.__struct_config__.tag) for e in get_args(KvEvent))),
+    RouterSync: ("entries", "kind", frozenset(get_args(SyncKind))),
+}
+
+
+def decode_extensible(data: bytes, kind: type[T]) -> tuple[T, dict[str, int]]:
+    """`decode_msg` for a message a newer kvswitch may extend (a KvEventBatch's events, a
+    RouterSync's entries), and how many items of each kind this build does not know were left out
+    of it: an item whose kind is a string this build does not know is a newer sender's addition,
+    not malformed. Anything else malformed raises as `decode_msg` does. A message with no such item
+    costs what `decode_msg` costs; one with one is decoded twice."""
+    try:
+        return decode_msg(data, kind), {}
+    except ProtocolError as exc:
+        if exc.kind == NEWER_SCHEMA:
+            raise
+        error = exc
+    field, tag, known = _EXTENSIBLE[kind]
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        raise error from None
+    items = raw.get(field) if isinstance(raw, dict) else None
+    if not isinstance(items, list):
+        raise error
+    kept: list[Any] = []
+    unknown: dict[str, int] = {}
+    for item in items:
+        name = item.get(tag) if isinstance(item, dict) else None
+        if isinstance(name, str) and name not in known:
+            unknown[name] = unknown.get(name, 0) + 1
+        else:
+            kept.append(item)
+    if not unknown:
+        raise error
+    raw[field] = kept
+    try:
+        # bytes stay bytes (msgpack's bin): convert would take base64 text for them too, as decode_msg does not
+        msg: T = msgspec.convert(raw, kind, builtin_types=(bytes,))
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(kind.__name__, str(exc)) from exc
+    except RecursionError:
+        raise ProtocolError(kind.__name__, _TOO_DEEP) from None
+    return _readable(msg, kind), unknown
+
+
+def named_sender(data: bytes, field: str) -> str | None:
+    """The string in `field` of a payload that did not decode as its message (the sending router a
+    RouterSync names), to name its sender in the line that says so; None when there is none. It is
+    the sender's own word, no more to be trusted than the rest of the payload."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    name = raw.get(field) if isinstance(raw, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def encode_json(msg: msgspec.Struct) -> bytes:

@@ -23,6 +23,11 @@ failure (review of 2026-12-06).
 
 `LastSaid` is what was said of each worker, kept when its key goes: a worker back under its name
 after a fleet restart, with the same thing to say, is not news.
+
+`FirstSaid` is whether a sender's message dropped (or taken) as one kind is said at all: once per
+registered worker and kind, and, of a sender with no record (anyone may publish on a subject of
+any name), once in a while each for a bounded number at a time, so that names minted by the
+thousand neither grow a router's memory nor silence the next stranger's line.
 """
 
 from __future__ import annotations
@@ -32,7 +37,18 @@ import logging
 import time
 from collections.abc import Callable
 
-__all__ = ["NAMED_AT_MOST", "REMEMBERED", "WINDOW_S", "FleetEpisodes", "FleetLines", "FleetLog", "LastSaid"]
+__all__ = [
+    "NAMED_AT_MOST",
+    "REMEMBERED",
+    "UNREGISTERED_SAID",
+    "UNREGISTERED_SAID_S",
+    "WINDOW_S",
+    "FirstSaid",
+    "FleetEpisodes",
+    "FleetLines",
+    "FleetLog",
+    "LastSaid",
+]
 
 # Workers named in a window; a no-worker 503 and /ready name as many (router.eligibility, which
 # logs through a FleetLines too, so it is defined here, where nothing of the router is imported)
@@ -40,6 +56,8 @@ NAMED_AT_MOST = 8
 
 WINDOW_S = 10.0
 REMEMBERED = 16384  # workers whose last word LastSaid keeps (a bounded memory of ids that left)
+UNREGISTERED_SAID = 1024  # senders with no record FirstSaid keeps said at once at most
+UNREGISTERED_SAID_S = 600.0  # ... each for this long, then it may be said again
 
 
 class FleetLines:
@@ -52,10 +70,13 @@ class FleetLines:
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
         fleet_log: FleetLog | None = None,
+        noun: str = "workers",
     ) -> None:
         """`fleet_log`: its router's, which says what it holds as the router stops; None where no
-        router stops it (a part on its own: tests, benchmarks), its window's timer alone says it."""
+        router stops it (a part on its own: tests, benchmarks), its window's timer alone says it.
+        `noun`: what the lines name, as the summary counts them ("and N more workers")."""
         self._log = logger
+        self._noun = noun
         self._level = level
         self._cause = cause
         self.window_s = window_s
@@ -112,7 +133,7 @@ class FleetLines:
         self._held_lines = 0
         cause = self._cause(workers) if callable(self._cause) else self._cause
         more = f" ({lines} lines)" if lines > workers else ""
-        self._log.log(self._level, "and %d more workers%s: %s", workers, more, cause)
+        self._log.log(self._level, "and %d more %s%s: %s", workers, self._noun, more, cause)
 
     def _due(self) -> None:
         self._timer = None
@@ -191,3 +212,47 @@ class LastSaid:
 
 
 _NOTHING = object()
+
+
+class FirstSaid:
+    """Whether to say a message of `worker` dropped (or taken) as `kind`: the first one of a worker
+    `registered` says has a record, until `forget(worker)` (it left); of a sender with none, the
+    first one within `every_s`, for up to `limit` such senders and kinds at a time, oldest first.
+    Kept together and for good, 1,024 ids with no record had silenced a router's warnings for
+    every worker, registered ones too, for the process's life; kept in one shared entry, every
+    sender with no record but the first went unnamed (logonce audit of 2026-12-07, finding 8)."""
+
+    def __init__(
+        self,
+        registered: Callable[[str], bool],
+        *,
+        limit: int = UNREGISTERED_SAID,
+        every_s: float = UNREGISTERED_SAID_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._registered = registered
+        self.limit = limit
+        self.every_s = every_s
+        self._clock = clock
+        self._said: dict[str, set[str]] = {}  # registered worker -> the kinds said
+        self._strangers: dict[tuple[str, str], float] = {}  # insertion-ordered: by when said
+
+    def __call__(self, kind: str, worker: str) -> bool:
+        if self._registered(worker):
+            kinds = self._said.setdefault(worker, set())
+            if kind in kinds:
+                return False
+            kinds.add(kind)
+            return True
+        key = (kind, worker)
+        said, now = self._strangers, self._clock()
+        while said and now - next(iter(said.values())) > self.every_s:
+            del said[next(iter(said))]
+        if key in said or len(said) >= self.limit:
+            return False
+        said[key] = now
+        return True
+
+    def forget(self, worker: str) -> None:
+        """`worker` left: back under its name, it is said again."""
+        self._said.pop(worker, None)

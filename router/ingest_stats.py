@@ -33,6 +33,7 @@ class IngestStats:
     batches_applied: int = 0
     events_applied: int = 0
     malformed: int = 0  # payloads that did not decode, or named another worker than the subject
+    events_unknown: dict[str, int] = field(default_factory=dict)  # events of a newer type skipped (router.newer_kinds)
     duplicates: int = 0  # seq <= last_seq: already applied
     gaps: int = 0  # seq > last_seq + 1 seen live: a repair was started
     epoch_changes: int = 0

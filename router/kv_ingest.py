@@ -68,10 +68,19 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   `requests_nc` (the router's kvstate connection), not on the connection the batches come on, so
   their replies never wait behind a flood either.
 - Malformed payloads are counted, logged once per worker and kind (capped the same way) and dropped;
-  they never reach the index.
+  they never reach the index. A batch of a newer schema is said in a slot of its own, so the line
+  telling to upgrade is not swallowed by an earlier one of garbage. A sender with no record is
+  logged so too, once in a while each and a bounded number at a time (router.fleet_lines.FirstSaid):
+  until 2026-12-07 every such sender shared one entry, and only the first was ever named.
   A batch that decodes but holds a bad hash (packed bytes that are not whole u64s, an int out of
   range) is counted the same way; the events before the bad one are applied, the batch takes its
   seq, and the next load report's digest check repairs the difference.
+- Events of a type this router does not know are a newer shim's (docs/decisions.md, "Kinds a newer
+  kvswitch adds"): left out, counted by type, said once per worker (capped the same way); the
+  rest of the batch is applied and takes its seq, and the next load report's digest check repairs
+  any difference the skipped events made (the digest check above: one that still disagrees right
+  after its dump backs off). Until 2026-12-07 the whole batch was malformed, its known events
+  lost with it.
 - The index holds blocks of at most `MAX_WORKERS` (65,534) workers at once. One more holding
   none yet is refused: an ERROR, no entries, out of routing and not repaired until a worker leaves.
 """
@@ -93,6 +102,7 @@ from nats.aio.msg import Msg
 from protocol import subjects
 from protocol.errors import ProtocolError
 from protocol.messages import (
+    NEWER_SCHEMA,
     Cleared,
     KvEvent,
     KvEventBatch,
@@ -101,13 +111,14 @@ from protocol.messages import (
     LoadReport,
     Removed,
     Stored,
-    decode_msg,
+    decode_extensible,
 )
 from router.block_index import BlockIndex, IndexFullError
-from router.fleet_lines import FleetEpisodes, FleetLines, FleetLog
+from router.fleet_lines import FirstSaid, FleetEpisodes, FleetLines, FleetLog
 from router.gap_repair import LIMIT_HINT, FailureKind, FetchFailure, GapRepair
 from router.ingest_stats import IngestStats, SyncState, WorkerSync
 from router.lifecycle import PartStatus
+from router.newer_kinds import NewerKinds, shown
 from router.sender_budget import KvBudget, SenderBudget
 from router.sender_subscriptions import QUARANTINE_S, SenderSubscriptions
 from runtime import guarded
@@ -267,6 +278,16 @@ class KvIngest:
             clock=clock,
             fleet_log=fleet_log,
         )
+        self._newer_lines = FleetLines(  # shims upgraded before the routers: each of them at once
+            log,
+            logging.WARNING,
+            "KV events of types this router does not know, skipped: shims of a newer kvswitch than this router "
+            '(upgrade the routers first: docs/deployment.md, "Upgrades"; counted in '
+            "kvswitch_router_kv_events_unknown_total)",
+            clock=clock,
+            fleet_log=fleet_log,
+        )
+        self._newer_kinds = NewerKinds(self.stats.events_unknown)
         self._capacity_lines = FleetLines(  # a fleet sharing one large offload tier goes past together
             log,
             logging.WARNING,
@@ -314,10 +335,9 @@ class KvIngest:
         self._clock = clock
         self._unsynced: set[str] = set()  # workers bootstrapping or repairing: `synced` in O(1)
         self._unknown: dict[str, deque[tuple[float, int, KvEventBatch]]] = {}  # (arrival time, size, batch)
-        # Kinds of malformed input logged, per registered worker (forgotten when it leaves: a worker
-        # back under its name is logged again), and "" for names no registered worker has (a shared
-        # entry: those names are whoever can publish on the subject's).
-        self._malformed_logged: dict[str, set[str]] = {}
+        # Kinds of malformed (or newer) input logged, per registered worker (forgotten when it
+        # leaves: a worker back under its name is logged again) and, bounded, per sender with none
+        self._said = FirstSaid(self._workers.__contains__, clock=clock)
         self._refused: dict[str, None] = {}  # workers the full index had no slot for, oldest first
         self._arrivals = 0
         self._synced = asyncio.Event()
@@ -382,7 +402,7 @@ class KvIngest:
         self.stats.unknown_held -= len(unknown)
         self._held_total -= sum(size for _, size, _ in unknown)
         self.stats.workers.pop(worker, None)
-        self._malformed_logged.pop(worker, None)
+        self._said.forget(worker)
         self.index.clear(worker)
         self._on_events(worker, [Cleared()])
         self.repairs.cancel(worker)
@@ -480,12 +500,15 @@ class KvIngest:
     def _on_payload(self, subject_worker: str, data: bytes) -> None:
         """One payload from {ns}.kv.{subject_worker}: decode at the edge, then order and apply."""
         try:
-            batch = decode_msg(data, KvEventBatch)
+            batch, unknown = decode_extensible(data, KvEventBatch)
             if batch.worker != subject_worker:
                 raise ProtocolError("KvEventBatch", f"names worker {batch.worker!r} on {subject_worker!r}'s subject")
         except ProtocolError as exc:
-            self._malformed(subject_worker, exc, "payload")
+            # a newer schema's line in a slot of its own: one telling to upgrade is never swallowed
+            self._malformed(subject_worker, exc, "newer schema" if exc.kind == NEWER_SCHEMA else "payload")
             return
+        if unknown:
+            self._newer(subject_worker, unknown)
         state = self._workers.get(batch.worker)
         if state is None:
             self._hold_unknown(batch)
@@ -507,11 +530,23 @@ class KvIngest:
             self._apply(batch, state)
             self.stats.last_lag_s = max(0.0, time.time() - batch.ts)
 
+    def _newer(self, worker: str, unknown: dict[str, int]) -> None:
+        """Events of types this router does not know, left out of a batch of `worker`'s."""
+        self._newer_kinds.add(unknown)
+        if self._said("newer", worker):
+            self._newer_lines.say(
+                worker,
+                "worker %s sends KV events of type %s, which this router does not know: its shim runs a newer "
+                "kvswitch than this router. They are skipped, the rest of each batch applied, and the KV digest "
+                "check repairs any difference they make; upgrade the routers first (docs/deployment.md, "
+                '"Upgrades"). Logged once per worker, counted in kvswitch_router_kv_events_unknown_total',
+                worker,
+                shown(unknown),
+            )
+
     def _malformed(self, worker: str, exc: Exception, kind: str) -> None:
         self.stats.malformed += 1
-        logged = self._malformed_logged.setdefault(worker if worker in self._workers else "", set())
-        if kind not in logged:
-            logged.add(kind)
+        if self._said(kind, worker):
             (self._capacity_lines if kind == "capacity" else self._malformed_lines).say(
                 worker, "dropping malformed KV events from worker %s (logged once per worker and kind): %s", worker, exc
             )

@@ -348,6 +348,15 @@ def _ingest_counters(s: IngestStats) -> Iterator[Metric]:
     yield CounterMetricFamily("kvswitch_router_kv_batches", "KV event batches applied", s.batches_applied)
     yield CounterMetricFamily("kvswitch_router_kv_events", "KV events applied", s.events_applied)
     yield CounterMetricFamily("kvswitch_router_kv_malformed", "KV payloads dropped as malformed", s.malformed)
+    unknown = CounterMetricFamily(
+        "kvswitch_router_kv_events_unknown",
+        "KV events of a type this router does not know (a newer shim's), skipped, by type (the first 8 types seen; "
+        "any other as other); the rest of their batches applied",
+        labels=["type"],
+    )
+    for kind, n in sorted(s.events_unknown.items()):
+        unknown.add_metric([kind], n)
+    yield unknown
     yield CounterMetricFamily(
         "kvswitch_router_kv_duplicates",
         "KV batches dropped as already applied (seq not past the index's)",
@@ -443,6 +452,21 @@ def _sync_counters(s: SyncStats) -> Iterator[Metric]:
         "Peer routers' sync messages that did not decode, and bookings in them no request makes: dropped",
         s.malformed,
     )
+    unknown = CounterMetricFamily(
+        "kvswitch_router_sync_entries_unknown",
+        "Peer routers' sync entries of a kind this router does not know (a newer router's), skipped, by kind (the "
+        "first 8 kinds seen; any other as other); the other entries of their messages applied",
+        labels=["kind"],
+    )
+    for kind, n in sorted(s.entries_unknown.items()):
+        unknown.add_metric([kind], n)
+    yield unknown
+    yield CounterMetricFamily(
+        "kvswitch_router_router_records_refused",
+        "Router records under /{ns}/routers/ that did not decode, each time one is read: each reads as no router "
+        "(and a peer whose record turns so is forgotten)",
+        s.records_refused,
+    )
     yield CounterMetricFamily(
         "kvswitch_router_sync_unregistered",
         "Sync messages from routers with no key under /{ns}/routers/ (forged, or not yet seen registering): dropped",
@@ -466,7 +490,8 @@ def _sync_counters(s: SyncStats) -> Iterator[Metric]:
     )
     yield CounterMetricFamily(
         "kvswitch_router_sync_peers_forgotten",
-        "Peer routers forgotten, their bookings dropped, when their key under /{ns}/routers/ went",
+        "Peer routers forgotten, their bookings dropped, when their key under /{ns}/routers/ went or its record "
+        "turned bad (a key that never held a good record is no peer)",
         s.routers_forgotten,
     )
 

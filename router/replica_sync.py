@@ -26,9 +26,24 @@ that needs a contract change.
 
 A peer's booking no request could make (more tokens than MAX_BOOKING, more blocks than the
 worker's KV capacity as its load reports say, or than MAX_BOOKING) is malformed: counted, logged
-once per peer (a message that does not decode names none: once for all of them), dropped. Kept,
-it would shun the worker for `peer_ttl_s`. Until 2026-12-06 one line per process said the first
-peer's, and a second peer gone wrong was only a count.
+once per peer, dropped. Kept, it would shun the worker for `peer_ttl_s`. Until 2026-12-06 one line
+per process said the first peer's, and a second peer gone wrong was only a count. A message that
+does not decode is named by its `router` field when that decodes (until 2026-12-07 none was named,
+a newer peer's neither); a sender with no key here shares one line with every other such sender
+(a forger mints names). A message of a newer schema has its own once-slot per peer, apart from
+garbage, so the line telling to upgrade is never swallowed by an earlier one.
+
+An entry of a kind this router does not know is a newer peer's (docs/decisions.md, "Kinds a newer
+kvswitch adds"): skipped, counted by kind, said once per peer; the message's other entries are
+applied. Until 2026-12-07 the whole message was malformed: its frees lost, the bookings they would
+have released held for `peer_ttl_s`.
+
+A record under /{ns}/routers/ that does not decode is refused as if its key were absent: counted
+in `stats.records_refused`, logged once per key while its reason stands and at most once a window
+while it keeps changing (discovery.refused_records), the keys capped for the fleet
+(router.fleet_lines). A peer whose good record turns bad is forgotten; a key that never held one
+is no peer to forget (until 2026-12-07 each bad put counted a peer forgotten, and was a WARNING in
+every router, uncapped).
 
 A router whose lease was lost registers anew under a new id (`rename`): peers dropped the old id's
 bookings with its key, and count the new id's from its registration on.
@@ -48,7 +63,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import nats.errors
 from nats.aio.client import Client
@@ -56,12 +71,23 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from discovery import Deleted, Discovery, Put, Snapshot, WatchEvent
+from discovery.refused_records import RefusedRecords
 from discovery.watch import keep_following
 from protocol import subjects
 from protocol.errors import ProtocolError
-from protocol.messages import RouterInfo, RouterSync, SyncEntry, decode_msg, encode_msg
+from protocol.messages import (
+    NEWER_SCHEMA,
+    RouterInfo,
+    RouterSync,
+    SyncEntry,
+    decode_extensible,
+    encode_msg,
+    named_sender,
+)
+from router.fleet_lines import FleetLines, FleetLog
 from router.lifecycle import PartStatus
 from router.load_view import LoadView
+from router.newer_kinds import NewerKinds, shown
 from router.peer_settings import PeerSettings
 from runtime import TickErrors, background, guarded
 from runtime.turns import Turns
@@ -73,7 +99,7 @@ log = logging.getLogger(__name__)
 _MAX_ENTRIES_PER_MESSAGE = 2000  # ~100 KB of msgpack, well under NATS's 1 MB default payload limit
 _DEPARTED_MEMORY = 1024
 _LOGGED_SENDERS = 64  # unregistered senders named in the log; a forger minting ids gets no more lines
-_LOGGED_MALFORMED = 64  # peers (registered ones) whose malformed bookings are logged, at a time
+_LOGGED_MALFORMED = 64  # (peer, slot)s whose malformed messages are logged, at a time
 _LOGGED_EXPIRED = 8  # peers named in one expiry pass's WARNINGs; the rest share one line
 MAX_BOOKING = 2**31
 """Tokens or blocks beyond any request's: no model's context, no engine's KV cache holds as many."""
@@ -88,6 +114,8 @@ class SyncStats:
     entries_received: int = 0
     send_failures: int = 0
     malformed: int = 0  # messages that did not decode, entries the view refused, bookings no request makes
+    entries_unknown: dict[str, int] = field(default_factory=dict)  # entries of a newer kind skipped, by kind
+    records_refused: int = 0  # records under /{ns}/routers/ that did not decode, each time one is read
     routers_forgotten: int = 0
     bookings_expired: int = 0
     unregistered: int = 0  # messages from routers with no key in etcd: dropped
@@ -106,6 +134,7 @@ class ReplicaSync:
         peer_ttl_s: float = 600.0,
         discovery: Discovery | None = None,
         peers: PeerSettings | None = None,
+        fleet_log: FleetLog | None = None,
     ) -> None:
         self._nc = nc
         self._ns = subjects.validate_namespace(ns)
@@ -124,7 +153,19 @@ class ReplicaSync:
         self._peers: set[str] = set()
         self._registered: set[str] | None = None  # None: not watching (no discovery), or no snapshot yet
         self._departed: deque[str] = deque(maxlen=_DEPARTED_MEMORY)
-        self._malformed_logged: set[str | None] = set()  # peers logged (None: undecodable), until they go
+        # (peer, slot) of the malformed messages logged, until the peer goes; peer None: no key here
+        self._malformed_logged: set[tuple[str | None, str]] = set()
+        self._newer_kinds = NewerKinds(self.stats.entries_unknown)
+        self._record_lines = FleetLines(
+            log,
+            logging.WARNING,
+            f"router records under {subjects.routers_prefix(self._ns)} ignored (one cause for many keys at once: "
+            "routers of a build whose records this router cannot read, or a writer other than the routers; counted "
+            "in kvswitch_router_router_records_refused_total)",
+            fleet_log=fleet_log,
+            noun="keys",
+        )
+        self._records = RefusedRecords(self._record_lines.say, "router record under key %r ignored: %s")
         self._sent = False  # a peer may hold our bookings: every free must go out (module docstring)
         self._logged_senders: set[str] = set()
         self._sub: Subscription | None = None
@@ -171,6 +212,7 @@ class ReplicaSync:
         if sub is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        self._records.flush()  # a change held for its window's end, which no timer will say now
 
     @property
     def tasks(self) -> list[asyncio.Task[None]]:
@@ -212,7 +254,7 @@ class ReplicaSync:
         if router not in self._departed:
             self._departed.append(router)
         self._peers.discard(router)
-        self._malformed_logged.discard(router)
+        self._malformed_logged = {said for said in self._malformed_logged if said[0] != router}
         dropped = self.view.forget_router(router)
         self.stats.routers_forgotten += 1
         if dropped:
@@ -259,9 +301,9 @@ class ReplicaSync:
 
     def _on_payload(self, data: bytes) -> None:
         try:
-            sync = decode_msg(data, RouterSync)
+            sync, unknown = decode_extensible(data, RouterSync)
         except ProtocolError as exc:
-            self._malformed(None, exc)
+            self._undecodable(data, exc)
             return
         peer = sync.router
         if peer == self.router_id:
@@ -275,6 +317,8 @@ class ReplicaSync:
                 self._log_unregistered(peer, len(sync.entries))
             return
         self._peers.add(peer)
+        if unknown:
+            self._newer(peer, unknown)
         view = self.view
         for e in sync.entries:
             self.stats.entries_received += 1
@@ -312,18 +356,48 @@ class ReplicaSync:
             return f"{e.tokens} tokens and {e.blocks} blocks on {e.worker} (at most {MAX_BOOKING} and {blocks})"
         return None
 
-    def _malformed(self, peer: str | None, why: object) -> None:
-        """`peer`: the router that sent it, None when the message did not decode (no name to trust)."""
-        self.stats.malformed += 1
-        logged = self._malformed_logged
-        if peer in logged or len(logged) >= _LOGGED_MALFORMED:
+    def _undecodable(self, data: bytes, exc: ProtocolError) -> None:
+        """A message that did not decode: named by its `router` field where that decodes, logged in
+        the slot of its peer (or of every sender with no key here) and its fault's kind."""
+        named = named_sender(data, "router")
+        peer = named if named is not None and self.registered(named) is not False else None
+        if named is None:
+            sender = "a sender it does not name (its router field did not decode either)"
+        elif peer is None:
+            sender = f"router {named}, which has no key under {subjects.routers_prefix(self._ns)} here"
+        else:
+            sender = f"router {named}"
+        self._malformed(peer, exc, sender, newer=exc.kind == NEWER_SCHEMA)
+
+    def _newer(self, peer: str, unknown: dict[str, int]) -> None:
+        """Entries of kinds this router does not know, skipped from a message of registered `peer`."""
+        self._newer_kinds.add(unknown)
+        if (peer, "newer kind") in self._malformed_logged or len(self._malformed_logged) >= _LOGGED_MALFORMED:
             return
-        logged.add(peer)
+        self._malformed_logged.add((peer, "newer kind"))
+        log.warning(
+            "router sync from router %s holds entries of kind %s, which this router does not know: that router "
+            "runs a newer kvswitch than this one. They are skipped and the message's other entries applied; "
+            'upgrade this router (docs/deployment.md, "Upgrades"). Logged once per peer, counted in '
+            "kvswitch_router_sync_entries_unknown_total",
+            peer,
+            shown(unknown),
+        )
+
+    def _malformed(self, peer: str | None, why: object, sender: str | None = None, *, newer: bool = False) -> None:
+        """`peer`: the router that sent it, None for every sender with no key here (no name to
+        trust); `sender` names it in the line (`peer` by default); `newer`: a newer schema, said in
+        a slot of its own."""
+        self.stats.malformed += 1
+        logged, slot = self._malformed_logged, "newer schema" if newer else "malformed"
+        if (peer, slot) in logged or len(logged) >= _LOGGED_MALFORMED:
+            return
+        logged.add((peer, slot))
         last = ", and no further peer is named until one goes" if len(logged) == _LOGGED_MALFORMED else ""
         log.warning(
             "dropping malformed router sync from %s (logged once per peer%s, all counted in "
             "kvswitch_router_sync_malformed_total): %s",
-            f"router {peer}" if peer is not None else "a sender it does not name (it did not decode)",
+            sender or f"router {peer}",
             last,
             why,
         )
@@ -363,6 +437,10 @@ class ReplicaSync:
                 self._peer_ttl_s,
             )
 
+    def _refused(self, name: str, why: str) -> None:
+        self.stats.records_refused += 1
+        self._records.refused(name, why)
+
     async def _watch_routers(self, discovery: Discovery) -> None:
         async for event in discovery.watch_routers():
             self.on_routers_event(event)
@@ -371,7 +449,11 @@ class ReplicaSync:
         """A change under the routers prefix: who may send bookings, and the peers' settings."""
         settings = self.peer_settings
         match event:
-            case Snapshot(items=items):
+            case Snapshot(items=items, skipped=skipped):
+                for name in self._records.names() - skipped.keys():
+                    self._records.accepted(name)
+                for name, why in skipped.items():
+                    self._refused(name, why)
                 self._registered = set(items)
                 # A key put back after a delete may reach this watch only in a fresh Snapshot.
                 for name in items.keys() & set(self._departed):
@@ -381,14 +463,21 @@ class ReplicaSync:
                 if settings is not None:
                     settings.replace({name: info for name, info in items.items() if name != self.router_id})
             case Put(name=name, value=info):
+                self._records.accepted(name)
                 if self._registered is not None:
                     self._registered.add(name)
                 with contextlib.suppress(ValueError):
                     self._departed.remove(name)
                 if settings is not None and name != self.router_id:
                     settings.seen(name, info)
-            case Deleted(name=name):
+            case Deleted(name=name, why=why):
+                if why:
+                    self._refused(name, why)
+                else:
+                    self._records.accepted(name)
                 if self._registered is not None:
+                    if name not in self._registered and name not in self._peers:
+                        return  # no record of it was ever taken: no peer to forget
                     self._registered.discard(name)
                 self.forget_router(name)
                 if settings is not None:

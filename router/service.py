@@ -67,7 +67,7 @@ from router.eligibility import (
     name_few,
     taking_requests,
 )
-from router.fleet_lines import NAMED_AT_MOST, FleetLines, FleetLog
+from router.fleet_lines import NAMED_AT_MOST, FirstSaid, FleetLines, FleetLog
 from router.fleet_news import CHECK_S, FleetNews
 from router.gap_repair import FailureKind
 from router.http_api import Drain, HttpLimits, make_app
@@ -108,8 +108,6 @@ __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
 log = logging.getLogger(__name__)
 BROKEN_CHECK_S = 1.0  # how often the router looks for a failed registration or a loop that ended
-UNREGISTERED_SAID = 1024  # load report senders with no record, logged at once at most
-UNREGISTERED_SAID_S = 600.0  # ... each for this long, then it may be logged again
 
 
 def _skew_harm(offset_s: float, *, many: bool) -> str:
@@ -243,13 +241,12 @@ class RouterService:
         self.load_unknown = 0
         self.load_budget = SenderBudget()  # checked before decoding: one sender's flood costs a dict lookup a report
         self.load_over_budget: Counter[str] = Counter()  # by worker, while it is registered
-        # (kind, worker) of the load reports logged, once per registered worker and kind, cleared
-        # when it leaves. Senders with no record (anyone may publish on {ns}.load.<any name>; a shim
-        # that lost its lease reports under its old id for a while) are kept apart, bounded and
-        # for UNREGISTERED_SAID_S each, oldest first: kept together and for good, 1,024 such ids had
-        # silenced these warnings for every worker, registered ones too, for the process's life.
-        self._load_logged: set[tuple[str, str]] = set()
-        self._unregistered_said: dict[tuple[str, str], float] = {}  # insertion-ordered: by when said
+        # The load reports logged: once per registered worker and kind, forgotten when it leaves;
+        # senders with no record (anyone may publish on {ns}.load.<any name>; a shim that lost its
+        # lease reports under its old id for a while) bounded and once in a while (FirstSaid).
+        self._load_said = FirstSaid(
+            lambda worker: self._registry is not None and self._registry.get(worker) is not None
+        )
         # A fleet restart sends every worker's reports before its record: the first few named, the rest counted
         self._unregistered_lines = FleetLines(
             log,
@@ -455,7 +452,9 @@ class RouterService:
         self._discovery = await Discovery(self.config.etcd, self.ns).connect()
         self._connecting = ""
         # Replica sync learns its router id at registration, below; until then nothing is routed.
-        self._sync = ReplicaSync(nc, self.ns, "", self.view, discovery=self._discovery, peers=self.peer_settings)
+        self._sync = ReplicaSync(
+            nc, self.ns, "", self.view, discovery=self._discovery, peers=self.peer_settings, fleet_log=self.fleet_log
+        )
         ledger = Ledger(self._sync, self.pending)
         self._planner = planner = Planner(
             self.settings,
@@ -1127,7 +1126,7 @@ class RouterService:
         self.eligibility.removed(worker)
         self.unheard.removed(worker)
         self.dispatcher.worker_gone(worker)
-        self._load_logged -= {("malformed", worker), ("unknown", worker), ("clock step", worker), ("budget", worker)}
+        self._load_said.forget(worker)
         self.load_over_budget.pop(worker, None)
         if self._load_subs is not None:
             self._load_subs.workers_changed()
@@ -1243,7 +1242,7 @@ class RouterService:
         info = self._registry.get(report.worker) if self._registry is not None else None
         if info is None:
             self.load_unknown += 1  # not (yet) registered: holding it would let anyone grow our memory
-            if self._registry_ready and self._first_said("unknown", report.worker):  # not each worker at startup
+            if self._registry_ready and self._load_said("unknown", report.worker):  # not each worker at startup
                 self._unregistered_lines.say(
                     report.worker,
                     "load reports from worker %s dropped: it has no usable record under %s (logged once per "
@@ -1258,7 +1257,7 @@ class RouterService:
             self.skew_news.heard(skew, now, report.period_s)
         if (said := self.skew_news.due(now)) is not None:
             _say_skews(said)
-        if (back := self.view.update(report)) is not None and self._first_said("clock step", report.worker):
+        if (back := self.view.update(report)) is not None and self._load_said("clock step", report.worker):
             self._clock_step_lines.say(
                 report.worker,
                 "worker %s's clock stepped back: a load report stamped %.1f s before its last one; its "
@@ -1289,7 +1288,7 @@ class RouterService:
     def _load_dropped(self, subject: str, why: str) -> None:
         self.load_malformed += 1
         sender = subject.rpartition(".")[2]
-        if self._first_said("malformed", sender):
+        if self._load_said("malformed", sender):
             self._malformed_lines.say(
                 sender,
                 "malformed load report from worker %s dropped (logged once per worker, counted in "
@@ -1303,7 +1302,7 @@ class RouterService:
             self.load_over_budget[sender] += 1
         if self._load_subs is not None:
             self._load_subs.quarantine(sender)
-        if self._first_said("budget", sender):
+        if self._load_said("budget", sender):
             budget = self.load_budget
             self._over_budget_lines.say(
                 sender,
@@ -1321,24 +1320,6 @@ class RouterService:
                 self._load_subs.quarantine_max_s if self._load_subs is not None else 0,
                 MIN_LOAD_PERIOD_S,
             )
-
-    def _first_said(self, kind: str, worker: str) -> bool:
-        """Whether to log a load report of `worker` dropped (or taken) as `kind`: the first one of a
-        registered worker; of a sender with no record, the first one within UNREGISTERED_SAID_S, for
-        up to UNREGISTERED_SAID such senders at a time."""
-        key = (kind, worker)
-        if self._registry is not None and self._registry.get(worker) is not None:
-            if key in self._load_logged:
-                return False
-            self._load_logged.add(key)
-            return True
-        said, now = self._unregistered_said, time.monotonic()
-        while said and now - next(iter(said.values())) > UNREGISTERED_SAID_S:
-            del said[next(iter(said))]
-        if key in said or len(said) >= UNREGISTERED_SAID:
-            return False
-        said[key] = now
-        return True
 
     async def _follow_config(self, watcher: ConfigWatcher) -> None:
         async for settings in watcher:

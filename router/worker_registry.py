@@ -7,8 +7,11 @@ index drops the worker's entries. Callbacks run on the event loop, in watch orde
 is logged and does not stop the watch, and a watch that crashes is started again (a new Snapshot).
 
 A record that cannot be true is refused as if its key were absent, logged as an ERROR once per key
-and problem (a fleet of records one build or flag got wrong: the first eight in a window named, the
-rest counted in one line, router.fleet_lines), counted in `refused` (every time one is read) and
+while its problem stands and at most once a window while the problem keeps changing, saying how
+many times it changed (discovery.refused_records; until 2026-12-07 each put of another problem was
+a line), capped for a fleet of records one build or flag got wrong (the first eight in a window
+named, the rest counted in one line, router.fleet_lines), counted in `refused` (every time one is
+read) and
 listed in `refusing()` while it lasts (/ready and /debug/route show it as `bad_record`): it does not
 decode as a WorkerInfo (not JSON, a field missing or of the wrong type), its value is too large for
 one read, its key is held by no lease (put by hand, it would outlive its shim), its name is not a worker id
@@ -67,6 +70,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from discovery import Deleted, Discovery, Put, Snapshot, WatchEvent
+from discovery.refused_records import RefusedRecords
 from discovery.watch import ReadHealth, keep_following
 from protocol import WorkerInfo, serving, subjects
 from protocol.messages import adapter_named, worker_info_problem
@@ -171,6 +175,7 @@ class WorkerRegistry:
             "kvswitch_router_worker_records_refused_total)",
             fleet_log=fleet_log,
         )
+        self._records = RefusedRecords(self._refused_lines.say, "worker record under key %r ignored: %s")
         # every name (model, alias, adapter) a worker whose key went served, with when (monotonic)
         self._left: OrderedDict[str, float] = OrderedDict()
         self.status = PartStatus.NEW
@@ -202,6 +207,7 @@ class WorkerRegistry:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._records.flush()  # a change held for its window's end, which no timer will say now
 
     async def wait_ready(self, timeout: float) -> bool:
         """True once the first snapshot of the workers has been applied."""
@@ -382,6 +388,7 @@ class WorkerRegistry:
             self._refuse(name, problem, info)
             return
         self._refusing.pop(name, None)
+        self._records.accepted(name)
         self._created[name] = created  # a key created again with the same record ranks as new
         if (old := self._workers.get(name)) == info:
             return
@@ -402,15 +409,20 @@ class WorkerRegistry:
         return worker_info_problem(info)
 
     def _refuse(self, name: str, problem: str, info: WorkerInfo | None = None) -> None:
+        """Said once per key while `problem` stands, at most once a window while it keeps changing
+        (discovery.refused_records); counted each time."""
         self.refused += 1
-        said = self._refusing.get(name)
-        self._delete(name)  # a record that was good before goes: routing must not keep a stale one
+        self._remove(name)  # a record that was good before goes: routing must not keep a stale one
         self._refusing[name] = Refused(name, problem, info)
-        if said is None or said.why != problem:
-            self._refused_lines.say(name, "worker record under key %r ignored: %s", name, problem)
+        self._records.refused(name, problem)
 
     def _delete(self, name: str) -> None:
+        """The key `name` is gone."""
         self._refusing.pop(name, None)
+        self._records.accepted(name)
+        self._remove(name)
+
+    def _remove(self, name: str) -> None:
         self._created.pop(name, None)
         if (info := self._workers.pop(name, None)) is not None:
             self._reindex(name, info, None)

@@ -209,6 +209,11 @@ class _ShimCollector(Collector):
             "Legs cancelled because the router process that sent them had no key in etcd for --orphan-grace-s",
             float(self.shim.orphans.cancelled if self.shim.orphans else 0),
         )
+        yield _counter(
+            "router_records_refused",
+            "Records under /{ns}/routers/ that did not decode, each time one is read: each names no router process",
+            float(self.shim.orphans.records_refused if self.shim.orphans else 0),
+        )
         yield _counter("heartbeats", "Heartbeat chunks sent", float(svc.heartbeats if svc else 0))
         yield _counter("chunks_held", "Chunks held back to coalesce under load", float(svc.held_chunks if svc else 0))
         yield _counter(

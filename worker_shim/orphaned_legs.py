@@ -13,6 +13,12 @@ Never on less: an instance never seen registered (a router that started while th
 a client without one) is not judged, and while etcd is unreachable no key goes, so nothing is. A
 router's key goes `--lease-ttl` after it died, so its legs end within that and `grace_s`; a router
 alive but cut from etcd for longer than both loses its legs here, as it loses its workers' keys.
+
+A record under /{ns}/routers/ that does not decode names no instance: its key reads as absent.
+It is counted (`records_refused`, kvswitch_shim_router_records_refused_total) and said once per key
+while its reason stands (discovery.refused_records), and these lines are at most one per
+RECORD_LINES_S, with how many were held back (until 2026-12-07 the watch logged a WARNING per bad
+put, uncapped, in every shim).
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ import time
 from collections.abc import Callable
 
 from discovery import Deleted, Put, Snapshot, WatchEvent
+from discovery.refused_records import RefusedRecords
 from protocol import RouterInfo
+from runtime import Throttle
 
 __all__ = ["OrphanedLegs"]
 
 log = logging.getLogger(__name__)
+RECORD_LINES_S = 10.0  # at most one line of refused router records this often
 
 
 class OrphanedLegs:
@@ -48,6 +57,14 @@ class OrphanedLegs:
         self._seen: set[str] = set()  # instances seen registered, while they have legs here or a key
         self._missing: dict[str, float] = {}  # instance with legs and no key -> since when
         self.cancelled = 0  # legs cancelled so (kvswitch_shim_legs_orphaned_total)
+        self.records_refused = 0  # router records that did not decode (kvswitch_shim_router_records_refused_total)
+        self._record_lines = Throttle(RECORD_LINES_S, clock)
+        self._records = RefusedRecords(
+            self._say_record,
+            "router record under key %r ignored (no instance is read from it: its router's legs here are judged "
+            "as if its key were gone): %s",
+            clock=clock,
+        )
 
     def live(self) -> set[str]:
         """The router instances some key names now."""
@@ -56,11 +73,33 @@ class OrphanedLegs:
     def update(self, event: WatchEvent[RouterInfo]) -> None:
         if isinstance(event, Snapshot):
             self._routers = {name: info.instance for name, info in event.items.items()}
+            for name in self._records.names() - event.skipped.keys():
+                self._records.accepted(name)
+            for name, why in event.skipped.items():
+                self._refused(name, why)
         elif isinstance(event, Put):
             self._routers[event.name] = event.value.instance
+            self._records.accepted(event.name)
         elif isinstance(event, Deleted):
             self._routers.pop(event.name, None)
+            if event.why:
+                self._refused(event.name, event.why)
+            else:
+                self._records.accepted(event.name)
         self._seen.update(i for i in self._routers.values() if i)
+
+    def _refused(self, name: str, why: str) -> None:
+        self.records_refused += 1
+        self._records.refused(name, why)
+
+    def _say_record(self, name: str, msg: str, *args: object) -> None:
+        """One refused router record's line, unless one was said within RECORD_LINES_S."""
+        said = self._record_lines(None)
+        if said is None:
+            return
+        held = said[0]
+        more = f" ({held} more such lines held back in the last {said[1]:.0f} s)" if held else ""
+        log.warning(msg + "%s (counted in kvswitch_shim_router_records_refused_total)", *args, more, stacklevel=3)
 
     def check(self) -> None:
         now = self._clock()

@@ -32,7 +32,13 @@ from protocol import (
     encode_msg,
     serving,
 )
-from protocol.messages import ANNOTATION_BYPASS, RETRY_AFTER_MAX_S
+from protocol.messages import (
+    ANNOTATION_BYPASS,
+    NEWER_SCHEMA,
+    RETRY_AFTER_MAX_S,
+    decode_extensible,
+    named_sender,
+)
 
 BATCH = KvEventBatch(
     worker="1a2b",
@@ -245,3 +251,83 @@ def test_an_error_infos_retry_after_is_bounded_to_a_day(seconds: int) -> None:
         msgspec.msgpack.encode({"v": SCHEMA_VERSION, "request_id": "r", "seq": 0, "error": error}), ResponseChunk
     )
     assert chunk.error is not None and chunk.error.retry_after_s == RETRY_AFTER_MAX_S
+
+
+# --- kinds a newer kvswitch adds (docs/decisions.md) -----------------------------------------------
+
+
+def _batch_with(*events: dict[str, object], v: int = SCHEMA_VERSION) -> bytes:
+    raw = {"v": v, "worker": "1a2b", "epoch": 1, "seq": 7, "ts": 1.5, "events": list(events)}
+    return msgspec.msgpack.encode(raw)
+
+
+def test_events_of_a_type_this_build_does_not_know_are_left_out_and_counted_by_type() -> None:
+    """logonce audit of 2026-12-07, finding 6: one {"type": "moved"} made the whole batch malformed."""
+    data = _batch_with(
+        {"type": "stored", "hashes": b"\x01" * 8, "parent": 3},
+        {"type": "moved", "hashes": [1], "to": "cpu"},
+        {"type": "removed", "hashes": [2]},
+        {"type": "moved"},
+        {"type": "pinned", "hashes": [1]},
+        {"type": "cleared"},
+    )
+    batch, unknown = decode_extensible(data, KvEventBatch)
+    assert batch.events == [Stored(hashes=b"\x01" * 8, parent=3), Removed(hashes=[2]), Cleared()]
+    assert (batch.worker, batch.seq, batch.ts) == ("1a2b", 7, 1.5)
+    assert unknown == {"moved": 2, "pinned": 1}
+
+
+def test_a_message_of_known_kinds_only_decodes_as_decode_msg_does() -> None:
+    assert decode_extensible(encode_msg(BATCH), KvEventBatch) == (BATCH, {})
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"type": 5, "hashes": [1]},  # a kind that is no string
+        {"hashes": [1]},  # no kind at all
+        {"type": "stored", "hashes": "AQAAAAAAAAA="},  # text where bytes go: not taken as base64 here either
+        [1, 2],  # no map
+    ],
+)
+def test_an_unknown_kind_beside_a_malformed_event_is_still_malformed(event: object) -> None:
+    with pytest.raises(ProtocolError):
+        decode_extensible(_batch_with({"type": "moved"}, event), KvEventBatch)  # type: ignore[arg-type]
+
+
+def test_a_newer_schema_with_an_unknown_kind_is_refused_as_a_newer_schema() -> None:
+    with pytest.raises(ProtocolError) as err:
+        decode_extensible(_batch_with({"type": "moved"}, v=SCHEMA_VERSION + 1), KvEventBatch)
+    assert err.value.kind == NEWER_SCHEMA
+
+
+def test_sync_entries_of_a_kind_this_build_does_not_know_are_left_out_and_counted_by_kind() -> None:
+    raw = {
+        "v": 1,
+        "router": "r1",
+        "entries": [
+            {"request_id": "a", "worker": "w", "kind": "add", "tokens": 100, "blocks": 7},
+            {"request_id": "b", "worker": "w", "kind": "requeue", "tokens": 1, "blocks": 1},
+        ],
+    }
+    sync, unknown = decode_extensible(msgspec.msgpack.encode(raw), RouterSync)
+    assert sync == RouterSync(
+        router="r1", entries=[SyncEntry(request_id="a", worker="w", kind="add", tokens=100, blocks=7)]
+    )
+    assert unknown == {"requeue": 1}
+
+
+@pytest.mark.parametrize(
+    ("payload", "named"),
+    [
+        (msgspec.msgpack.encode({"v": 2, "router": "rnew", "entries": []}), "rnew"),
+        (msgspec.msgpack.encode({"router": "r1", "entries": 5}), "r1"),
+        (msgspec.msgpack.encode({"router": 5}), None),
+        (msgspec.msgpack.encode([1, 2]), None),
+        (b"\xc1garbage", None),
+    ],
+)
+def test_the_sender_of_a_message_that_does_not_decode_is_named_where_its_field_decodes(
+    payload: bytes, named: str | None
+) -> None:
+    assert named_sender(payload, "router") == named

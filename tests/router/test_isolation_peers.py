@@ -110,7 +110,7 @@ async def test_senders_with_no_record_cannot_silence_the_warnings_of_registered_
         what="the registered worker's malformed report logged",
     )
 
-    monkeypatch.setattr("router.service.UNREGISTERED_SAID_S", 0.0)  # each said long ago: room again
+    monkeypatch.setattr(router._load_said, "every_s", 0.0)  # each said long ago: room again
     await nc.publish(subjects.load(cluster.ns, "gone00001"), encode_msg(LoadReport(worker="gone00001", ts=time.time())))
     await flush(nc)
     await until(

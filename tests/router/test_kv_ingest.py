@@ -14,6 +14,7 @@ import random
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgspec
 import nats
 import pytest
 from nats.aio.client import Client
@@ -315,6 +316,72 @@ async def test_a_batch_of_a_newer_schema_version_is_counted_malformed_not_applie
     assert ingest.index.dump() == {"a1": [1]} and ingest.stats.malformed == 1
     (line,) = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
     assert "a1" in line and "newer schema version (2)" in line and "upgrade this process" in line
+
+
+async def test_a_newer_schema_after_garbage_from_the_same_worker_is_still_said(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its own slot: the line telling to upgrade was swallowed by an earlier one of garbage
+    (logonce audit of 2026-12-07, finding 6)."""
+    await synced_with(ingest, shim)
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    await nc.publish(subjects.kv(ns, "a1"), b"\xc1 not msgpack")
+    newer = KvEventBatch(worker="a1", epoch=shim.epoch, seq=shim.seq + 1, ts=0.0, events=[], v=2)
+    for _ in range(2):
+        await nc.publish(subjects.kv(ns, "a1"), encode_msg(newer))
+    await until(lambda: ingest.stats.malformed == 3)
+    lines = _malformed_lines(caplog)
+    assert len(lines) == 2 and "newer schema version (2)" in lines[1] and "upgrade this process" in lines[1]
+
+
+async def _newer_batch(nc: Client, ns: str, shim: FakeShim, *events: dict[str, object]) -> None:
+    """The shim's next batch as a newer shim sends it: `events` as maps, of types this router may not know."""
+    shim.seq += 1
+    batch = {"v": 1, "worker": shim.worker, "epoch": shim.epoch, "seq": shim.seq, "ts": 0.0, "events": list(events)}
+    await nc.publish(subjects.kv(ns, shim.worker), msgspec.msgpack.encode(batch))
+
+
+async def test_events_of_a_type_a_newer_shim_adds_are_skipped_and_the_rest_of_their_batch_applied(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    """logonce audit of 2026-12-07, finding 6: one event {"type": "moved"} made its whole batch
+    malformed, the good events lost with it; a newer shim's every batch was lost so."""
+    await synced_with(ingest, shim)
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    await _newer_batch(nc, ns, shim, {"type": "stored", "hashes": [1]}, {"type": "moved", "hashes": [1], "to": "cpu"})
+    await _newer_batch(nc, ns, shim, {"type": "moved", "hashes": [1]}, {"type": "stored", "hashes": [2], "parent": 1})
+    await _newer_batch(
+        nc, ns, shim, {"type": "stored_v2", "hashes": [3], "parent": 2}
+    )  # it stores: the index misses it
+    shim.held.update(dict.fromkeys([1, 2, 3]))
+    await shim.publish(Stored(hashes=[4], parent=3))
+    await until(lambda: ingest.stats.batches_applied == 4)
+    assert ingest.stats.malformed == 0 and ingest.stats.gaps == 0 and ingest.synced
+    assert ingest.stats.events_unknown == {"moved": 2, "stored_v2": 1}
+    assert ingest.index.dump() == {"a1": [1, 2, 4]}
+    (line,) = [r.getMessage() for r in caplog.records]  # once per worker
+    assert line.startswith("worker a1 sends KV events of type 'moved', which this router does not know")
+    assert "newer kvswitch" in line and "kvswitch_router_kv_events_unknown_total" in line
+    # what a skipped event changed, the next load report's digest check repairs
+    n, x = digest(shim.expected()["a1"])
+    ingest.check_digest(LoadReport(worker="a1", ts=0.0, kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=n, kv_xor=x))
+    await until(lambda: ingest.stats.digest_mismatches == 1 and ingest.synced)
+    assert ingest.index.dump() == shim.expected() == {"a1": [1, 2, 3, 4]}
+
+
+async def test_malformed_batches_from_senders_with_no_record_name_each_sender(
+    nc: Client, ns: str, ingest: KvIngest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """logonce audit of 2026-12-07, finding 8: every sender with no record shared one entry, never
+    removed: garbage on kv.aaaa0001, kv.aaaa0002 and kv.aaaa0003 named aaaa0001 alone."""
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    senders = ("aaaa0001", "aaaa0002", "aaaa0003")
+    for _ in range(3):
+        for sender in senders:
+            await nc.publish(subjects.kv(ns, sender), b"\xc1\xc1garbage")
+    await until(lambda: ingest.stats.malformed == 9)
+    lines = _malformed_lines(caplog)
+    assert [line.split(" (")[0] for line in lines] == [f"dropping malformed KV events from worker {s}" for s in senders]
 
 
 async def test_late_replica_bootstraps_to_an_identical_index(nc: Client, ns: str, ingest: KvIngest) -> None:

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 from nats.aio.client import Client
 
@@ -14,6 +15,7 @@ from discovery import Deleted, Discovery, Snapshot
 from protocol import RouterInfo, subjects
 from protocol.config import EtcdSettings
 from protocol.messages import LoadReport, RouterSync, SyncEntry, encode_msg
+from router.fleet_lines import NAMED_AT_MOST, FleetLog
 from router.lifecycle import PartStatus
 from router.load_view import LoadView
 from router.replica_sync import ReplicaSync
@@ -404,3 +406,117 @@ async def test_malformed_sync_is_logged_once_per_peer(nc: Client, ns: str, caplo
         assert sum("from router rx" in r.getMessage() for r in caplog.records) == 2
     finally:
         await b.stop()
+
+
+# --- logonce audit of 2026-12-07: newer peers, and bad router records ---------------------------
+
+
+async def test_a_sync_entry_of_a_kind_a_newer_router_adds_is_skipped_and_the_others_applied(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding 6 (audit_scripts/sync_newkind.py): a valid add beside an entry of kind "requeue" was
+    one malformed message, the add lost with it, and not a word: the sender's one line was used."""
+    caplog.set_level(logging.WARNING, logger="router.replica_sync")
+    b = ReplicaSync(nc, ns, "rb", LoadView(), flush_ms=1.0)
+    await b.start()
+    try:
+        for i in range(2):
+            entries = [
+                {"request_id": f"req-{i}", "worker": "w1", "kind": "add", "tokens": 100, "blocks": 7},
+                {"request_id": f"req-{i}b", "worker": "w1", "kind": "requeue", "tokens": 1, "blocks": 1},
+            ]
+            await nc.publish(subjects.sync(ns), msgspec.msgpack.encode({"v": 1, "router": "rx", "entries": entries}))
+        await until(lambda: b.stats.entries_received == 2, what="both adds taken")
+        assert b.view.bookings("w1") == 2 and b.view.load("w1").active_blocks == 14
+        assert b.stats.malformed == 0 and b.stats.entries_unknown == {"requeue": 2}
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert line.startswith("router sync from router rx holds entries of kind 'requeue', which this router does")
+        assert "newer kvswitch" in line and "kvswitch_router_sync_entries_unknown_total" in line
+    finally:
+        await b.stop()
+
+
+async def test_a_newer_peers_message_is_named_and_said_apart_from_garbage(
+    nc: Client, ns: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding 6: every message that did not decode shared one unnamed line, used by the first
+    garbage: a v 2 router's, whose router field decodes, then went unnamed and unsaid."""
+    caplog.set_level(logging.WARNING, logger="router.replica_sync")
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as disc:
+        lease = await disc.register_router(_info, ttl=5)
+        peer = lease.hex_id
+        b = ReplicaSync(nc, ns, "rb", LoadView(), flush_ms=1.0, discovery=disc)
+        await b.start()
+        try:
+            await until(lambda: b.registered(peer) is True, what="the peer registered")
+            newer = {"v": 2, "entries": []}
+            for payload in (
+                b"\x00garbage",  # unnamed
+                msgspec.msgpack.encode({**newer, "router": "rnew"}),  # named, though it has no key here
+                msgspec.msgpack.encode({**newer, "router": "rnew"}),  # said once
+                msgspec.msgpack.encode({"router": peer, "entries": 5}),  # a registered peer's garbage
+                msgspec.msgpack.encode({**newer, "router": peer}),  # and its newer schema: a slot of its own
+                msgspec.msgpack.encode({"router": "forger", "entries": 5}),  # no key: the unnamed garbage's slot
+            ):
+                await nc.publish(subjects.sync(ns), payload)
+            await until(lambda: b.stats.malformed == 6, what="every message counted")
+            said = [r.getMessage() for r in caplog.records]
+            assert len(said) == 4, said
+            assert said[0].startswith("dropping malformed router sync from a sender it does not name")
+            assert said[1].startswith(f"dropping malformed router sync from router rnew, which has no key under /{ns}")
+            assert f"router {peer} (" in said[2] and "newer schema" not in said[2]
+            assert f"router {peer} (" in said[3]
+            for line in (said[1], said[3]):
+                assert "newer schema version (2)" in line and "upgrade this process" in line
+        finally:
+            await b.stop()
+
+
+async def test_bad_router_records_are_counted_said_once_per_key_capped_and_forget_no_peer(
+    nc: Client, ns: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Findings 2 (audit_scripts/etcd_burst.py): each bad put under /{ns}/routers/ was a WARNING of
+    the watch in every router, uncounted and uncapped (identical values too), and read as a
+    Deleted: kvswitch_router_sync_peers_forgotten_total rose once per put, for peers that never
+    existed."""
+    caplog.set_level(logging.INFO)
+    prefix = subjects.routers_prefix(ns)
+    values = [b"not json", b'{"hello":1}', b'{"v":1,"router":"x"}', b"[]"]
+    held_by = FleetLog()
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as disc:
+        b = ReplicaSync(nc, ns, "rb", LoadView(), flush_ms=1.0, discovery=disc, fleet_log=held_by)
+        await b.start()
+        try:
+            await until(lambda: b.registered("rb") is False, what="the routers' snapshot")
+            for i in range(200):
+                await disc.put_raw(prefix + "badr", values[i % len(values)])
+            for i in range(30):
+                await disc.put_raw(prefix + f"bad{i:02d}", b"not json")
+            await until(lambda: b.stats.records_refused == 230, what="every bad put read")
+            for i in range(30):
+                await disc.put_raw(prefix + f"bad{i:02d}", b"not json")  # the same value again
+            await until(lambda: b.stats.records_refused == 260, what="every put read again")
+            assert b.stats.routers_forgotten == 0 and b.registered("badr") is False
+        finally:
+            await b.stop()
+            held_by.flush()
+            for i in range(30):
+                await disc.delete(prefix + f"bad{i:02d}")
+            await disc.delete(prefix + "badr")
+    assert not [r for r in caplog.records if r.name == "discovery.watch" and r.levelno >= logging.WARNING]
+    said = [r.getMessage() for r in caplog.records if r.name == "router.replica_sync"]
+    named = [m for m in said if m.startswith("router record under key")]
+    summary = [m for m in said if m.startswith("and ")]
+    badr = [m for m in named if "'badr'" in m]
+    # the first put's reason, then (as it stops: within its window) the reason now and the changes
+    assert badr == [
+        "router record under key 'badr' ignored: malformed RouterInfo: JSON is malformed: invalid character (byte 4)",
+        "router record under key 'badr' ignored: malformed RouterInfo: Expected `object`, got `array` (changes of "
+        "its reason since it was last said: 199)",
+    ], badr
+    assert len(named) == 2 + NAMED_AT_MOST - 1  # badr's two, and the first of the other keys
+    assert summary == [
+        f"and {30 - NAMED_AT_MOST + 1} more keys: router records under {prefix} ignored (one cause for many keys "
+        "at once: routers of a build whose records this router cannot read, or a writer other than the routers; "
+        "counted in kvswitch_router_router_records_refused_total)"
+    ], summary

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from discovery import Deleted, Discovery, Lease, Put, Snapshot, WatchEvent
-from protocol import WorkerInfo
+from protocol import WorkerInfo, subjects
 from protocol.config import EtcdSettings
 from router.lifecycle import PartStatus
 from router.served_names import clash_message, shadow_message
@@ -531,3 +531,31 @@ async def test_a_worker_key_put_again_without_a_lease_is_refused_once(
     said = [r.getMessage() for r in caplog.records if "no lease" in r.getMessage()]
     assert len(said) == 2 and stray.hex_id in said[0] and kept.hex_id in said[1], said  # once per key
     assert [r.name for r in reg.refusing()] == [stray.hex_id]
+
+
+async def test_a_key_whose_bad_value_keeps_changing_is_said_once_a_window_with_its_changes(
+    disc: Discovery, registry: tuple[WorkerRegistry, Calls], caplog: pytest.LogCaptureFixture
+) -> None:
+    """logonce audit of 2026-12-07, finding 5: a repeat was skipped only when its problem was the
+    same, so 1,000 puts cycling four bad values on one key were 999 ERRORs."""
+    reg, _ = registry
+    reg._records.window_s = 3600.0  # every put within one window, however slow the machine
+    await reg.start()
+    assert await reg.wait_ready(10.0)
+    key = subjects.workers_prefix(disc.ns) + "bad1"
+    values = [b"not json", b'{"hello":1}', b'{"v":1,"worker":"x","model":"m"}', b"[]"]
+    caplog.set_level(logging.ERROR, logger="router.worker_registry")
+    try:
+        for i in range(200):
+            await disc.put_raw(key, values[i % len(values)])
+        await until(lambda: reg.refused == 200, what="every put read")  # each counted
+        assert [r.name for r in reg.refusing()] == ["bad1"]
+        await reg.stop()  # says the change its window still holds
+    finally:
+        await disc.delete(key)
+    said = [r.getMessage() for r in caplog.records if "'bad1'" in r.getMessage()]
+    assert said == [
+        "worker record under key 'bad1' ignored: malformed WorkerInfo: JSON is malformed: invalid character (byte 4)",
+        "worker record under key 'bad1' ignored: malformed WorkerInfo: Expected `object`, got `array` (changes of "
+        "its reason since it was last said: 199)",
+    ], said

@@ -5,6 +5,9 @@ expiry would take it after a kill -9."""
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pytest
 
 from discovery import Deleted, Discovery, Put, Snapshot
 from engine_sim.server import SimServer
@@ -161,3 +164,48 @@ async def test_the_worker_role_reads_the_routers_and_a_role_without_it_is_told_a
             settings = EtcdSettings(endpoints=[server.url], user=user, password=password)
             async with Discovery(settings, "authns") as d:
                 assert await d.readable(prefix) is readable, user
+
+
+async def test_bad_router_records_are_counted_and_said_once_per_key_a_few_lines_at_most(
+    ns: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """logonce audit of 2026-12-07, finding 2 (audit_scripts/etcd_burst.py): each bad put under
+    /{ns}/routers/ was a WARNING of the watch in every shim, uncounted and uncapped."""
+    caplog.set_level(logging.INFO)
+    legs, clock = _Legs("a"), _Clock()
+    orphans = _orphans(legs, clock)
+    prefix = subjects.routers_prefix(ns)
+    values = [b"not json", b'{"hello":1}', b'{"v":1,"router":"x"}', b"[]"]
+    keys = ["badr", *(f"bad{i:02d}" for i in range(21))]
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "worker_shim.orphaned_legs"]
+
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        events = d.watch_routers()
+
+        async def read(refused: int) -> None:
+            while orphans.records_refused < refused:
+                orphans.update(await asyncio.wait_for(anext(events), 5.0))
+
+        try:
+            orphans.update(await anext(events))
+            for i in range(100):
+                await d.put_raw(prefix + "badr", values[i % len(values)])
+            for key in keys[1:-1]:
+                await d.put_raw(prefix + key, b"not json")
+            await read(120)
+            assert orphans.records_refused == 120 and orphans.live() == set()
+            (line,) = said()  # one a window
+            assert line.startswith("router record under key 'badr' ignored")
+            assert line.endswith("(counted in kvswitch_shim_router_records_refused_total)")
+            clock.now = 10.0  # the next window: the next key's line, with how many were held back
+            await d.put_raw(prefix + keys[-1], b"not json")
+            await read(121)
+        finally:
+            await events.aclose()
+            for key in keys:
+                await d.delete(prefix + key)
+    assert not [r for r in caplog.records if r.name == "discovery.watch" and r.levelno >= logging.WARNING]
+    assert len(said()) == 2 and "'bad20'" in said()[1], said()
+    assert "(20 more such lines held back in the last 10 s)" in said()[1]
