@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvswitch.servers import FREE_PORTS_ENV, EtcdServer, NatsServer
+from tests import loop_tasks
 
 
 def _own_ports() -> None:
@@ -26,6 +27,11 @@ def _own_ports() -> None:
 
 
 _own_ports()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.pluginmanager.is_registered(loop_tasks):  # unless `-p tests.loop_tasks` did
+        config.pluginmanager.register(loop_tasks, "loop_tasks")
 
 
 @pytest.fixture(autouse=True)
