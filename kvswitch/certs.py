@@ -10,8 +10,9 @@ CA, and each member takes as a route or peer only its own identity's name. Until
 certificate served all four, and holding the etcd key let a rogue nats-server join the NATS
 cluster as a route and read every subject, whatever the nkey permissions.
 
-Every certificate names every host given (DNS names and IP addresses); route and peer identities
-are good for server and client authentication, since members present them to each other. Key files
+Every certificate names every host given (DNS names and IP addresses, each checked first:
+`host_problem`); route and peer identities are good for server and client authentication, since
+members present them to each other. Key files
 are written readable by their owner only. The CAs' keys are not kept, so certificates naming other
 hosts mean new CAs too, which every client must then trust: certificates already written are kept,
 and ones that lack a host asked for are refused rather than replaced.
@@ -19,8 +20,10 @@ and ones that lack a host asked for are refused rather than replaced.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
+import re
 from pathlib import Path
 
 from cryptography import x509
@@ -30,7 +33,14 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvswitch.servers import ControlPlaneTls, TlsFiles
 
-__all__ = ["ETCD_PEER_NAME", "NATS_ROUTE_NAME", "KeptCertificateError", "certificate_hosts", "write_tls"]
+__all__ = [
+    "ETCD_PEER_NAME",
+    "NATS_ROUTE_NAME",
+    "KeptCertificateError",
+    "certificate_hosts",
+    "host_problem",
+    "write_tls",
+]
 
 
 class KeptCertificateError(ValueError):
@@ -48,6 +58,39 @@ def _name(common: str) -> x509.Name:
     return x509.Name(
         [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "kvswitch"), x509.NameAttribute(NameOID.COMMON_NAME, common)]
     )
+
+
+# One DNS label: letters, digits and hyphens, 1 to 63 of them, no hyphen at either end (RFC 1123).
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def host_problem(host: str) -> str | None:
+    """Why `host` cannot be named in a certificate, None where it can: an IP address, or a DNS name
+    of labels (`_LABEL`), 253 characters at most, with an optional leading `*.` wildcard. A client
+    checks the name it dials against these as they are: a URL, a port or a path in one matches no
+    server (`nats.kvswitch.svc:4222` was written as a DNS name, and every client refused the
+    certificate), and a dotted number that is no address (10.0.0.256) is no name either."""
+    if "://" in host:
+        return "a URL: give its host alone"
+    if any(c.isspace() for c in host):
+        return "has whitespace in it"
+    if "/" in host:
+        return "has a path in it: give the host alone"
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host)
+        # a certificate names the address alone: the zone would be dropped, and a rerun refused
+        return "has an IPv6 zone (%...) in it: give the address alone" if "%" in host else None
+    if ":" in host or host.startswith("["):
+        return "has a port in it (or an IPv6 address in brackets): give the host or the address alone"
+    labels = host.removeprefix("*.").split(".")
+    if labels[-1].isdigit():
+        return "is no IP address, and a DNS name's last label is never all digits"
+    if len(host) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        return (
+            "is neither an IP address nor a DNS name (labels of letters, digits and hyphens, 1-63 each, no hyphen at "
+            "either end, 253 characters in all; a leading *. for a wildcard)"
+        )
+    return None
 
 
 def _san(host: str) -> x509.GeneralName:
@@ -165,6 +208,9 @@ def write_tls(out: Path, hosts: list[str], *, days: int = 365) -> ControlPlaneTl
     `hosts`, or `out` holds the one shared certificate of a release before 2026-12-07)."""
     if not hosts:
         raise ValueError("a certificate needs at least one host name or address")
+    for host in hosts:  # before a kept certificate is read: its names would be refused alike
+        if (problem := host_problem(host)) is not None:
+            raise ValueError(f"{host!r} {problem}")
     tls = _files(out)
     leaves = [tls.nats, tls.nats_route, tls.etcd, tls.etcd_peer]
     if all(p.is_file() for files in leaves for p in (files.ca, files.cert, files.key)):

@@ -70,7 +70,7 @@ from protocol.messages import RouterInfo, decode_json
 
 log = logging.getLogger("kvswitch.cluster")
 
-__all__ = ["STOP_GRACE_S", "ClusterSpec", "LocalCluster", "RestartPolicy"]
+__all__ = ["STOP_GRACE_S", "ClusterSpec", "LocalCluster", "RestartPolicy", "shim_argv"]
 
 POOLS = ("prefill", "decode", "agg")
 STOP_GRACE_S = 35.0  # per tier of children at stop: the shim drains for 30 s at most
@@ -401,13 +401,8 @@ class LocalCluster:
 
     def _start_shim(self, engine: _Engine) -> None:
         name = f"{engine.role}-{sum(e.role == engine.role for e in self.engines[: self.engines.index(engine)])}"
-        argv = [
-            "shim", "--engine", "vllm", "--engine-url", engine.url, "--role", engine.role,
-            "--model", self.spec.model, "--kv-events", engine.events, "--kv-replay", engine.replay,
-            "--timing-profile", self.spec.profile, *self._connection_args("worker", name), *self.spec.shim_args,
-            # vLLM does not report it; the router's prefill_load policy needs it.
-            "--max-num-batched-tokens", str(self.spec.max_num_batched_tokens),
-        ]  # fmt: skip
+        argv = shim_argv(self.spec, engine.role, engine.url, engine.events, engine.replay)
+        argv[1:1] = self._connection_args("worker", name)
         shim = self.spawn(f"shim-{engine.role}-{engine.url.rsplit(':', 1)[-1]}", argv, self._child_env("worker"))
         if not self.spec.engines_bind_events:  # it binds the engine's tcp:// event endpoint
             shim.ports.append(int(engine.events.rsplit(":", 1)[1]))
@@ -770,6 +765,23 @@ class LocalCluster:
         if dead:
             parts.append("dead=" + ",".join(dead))
         return "health: " + " ".join(parts), all(nats) and all(etcd) and not dead and not restarting
+
+
+def shim_argv(spec: ClusterSpec, role: str, engine_url: str, events: str, replay: str) -> list[str]:
+    """`kvswitch shim`'s argv beside the sim at `engine_url` (`events`, `replay`: its endpoints), but
+    for its NATS and etcd flags (LocalCluster._connection_args): `kvswitch up` resolves it before
+    anything starts. Its /health and /metrics listen on 127.0.0.1 at a free port by flag, which wins
+    over KVSWITCH_HTTP_HOST and KVSWITCH_HTTP_PORT: those are the router's too, and the one
+    environment `kvswitch up` runs in is every child's (a port given to both made a shim's bind fail
+    after NATS, etcd and the sims had started; a host beside every URL up printed as 127.0.0.1).
+    `spec.shim_args` come after these, and win (but for --max-num-batched-tokens, the sims')."""
+    return [
+        "shim", "--engine", "vllm", "--engine-url", engine_url, "--role", role, "--model", spec.model,
+        "--kv-events", events, "--kv-replay", replay, "--timing-profile", spec.profile,
+        "--http-host", "127.0.0.1", "--http-port", "0", *spec.shim_args,
+        # vLLM does not report it; the router's prefill_load policy needs it, and it is the sims' own.
+        "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
+    ]  # fmt: skip
 
 
 def _start_flagged(servers: NatsCluster | EtcdCluster, flag: str, first: int) -> None:

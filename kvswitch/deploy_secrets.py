@@ -35,12 +35,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvswitch.etcd_auth import EtcdAuthError, PasswordsRefused, enable_auth, namespace_users
-from kvswitch.nats_auth import NatsAuthPlan
+from kvswitch.nats_auth import MAX_RESPONSE_TTL_S, NatsAuthPlan
 from protocol import subjects
 from protocol.errors import without_userinfo
 
 __all__ = ["add_arguments", "run"]
 
+RESPONSE_TTL_S = NatsAuthPlan.response_ttl_s  # --response-ttl's default
 PASSWORD_ENV = {role: f"KVSWITCH_ETCD_{role.upper()}_PASSWORD" for role in ("root", "router", "worker")}
 
 
@@ -54,20 +55,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routers", type=_names, default=[], metavar="A,B", help="router names (NATS identities)")
     parser.add_argument("--workers", type=_names, default=[], metavar="A,B",
                         help="worker names, as each shim's --worker-name")  # fmt: skip
-    parser.add_argument("--response-ttl", type=int, default=900, metavar="S",
-                        help="seconds a worker may reply to one request (above the router's deadline)")  # fmt: skip
+    parser.add_argument("--response-ttl", type=int, default=None, metavar="S",
+                        help=f"seconds a worker may reply to one request, with --workers (above the router's "
+                             f"deadline; at most {MAX_RESPONSE_TTL_S}, a day; default {RESPONSE_TTL_S})")  # fmt: skip
     parser.add_argument("--tls-hosts", type=_names, default=[], metavar="A,B",
                         help="write CAs and certificates naming these hosts (DNS names or IPs) for NATS, "
                              "NATS routes, etcd and etcd peers")  # fmt: skip
     parser.add_argument("--etcd-endpoint", default=None, metavar="URL",
                         help="turn etcd authentication on there; passwords from KVSWITCH_ETCD_*_PASSWORD")  # fmt: skip
-    parser.add_argument("--etcd-ca", default=None, metavar="FILE", help="CA that signed etcd's certificate")
+    parser.add_argument("--etcd-ca", default=None, metavar="FILE",
+                        help="CA that signed etcd's certificate, with --etcd-endpoint")  # fmt: skip
     parser.add_argument("--rotate-etcd-passwords", action="store_true",
                         help="with etcd authentication on, change the router and worker passwords that differ from "
                              "KVSWITCH_ETCD_*_PASSWORD (shared by every namespace on that etcd: all their "
                              "processes need the new ones)")  # fmt: skip
     parser.add_argument("--api-keys", type=int, default=0, metavar="N",
                         help="write N router API keys to OUT/api-keys (kept on rerun)")  # fmt: skip
+
+
+# Flags read only beside another (bench.cli._refuse_unread's pattern): given without it, each did
+# nothing, without a word (--etcd-ca with no --etcd-endpoint wrote the NATS files and exited 0).
+_READ_WITH = (("etcd_ca", "etcd_endpoint"), ("rotate_etcd_passwords", "etcd_endpoint"), ("response_ttl", "workers"))
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for one given where nothing reads it, or a --response-ttl that
+    nats-server would keep too long or refuse."""
+    for given, needed in _READ_WITH:
+        if getattr(args, given) not in (None, False) and not getattr(args, needed):
+            flag, other = (f"--{name.replace('_', '-')}" for name in (given, needed))
+            raise ValueError(f"{flag} is read with {other} only: give {other}, or drop {flag}")
+    ttl = args.response_ttl
+    if ttl is not None and not 0 < ttl <= MAX_RESPONSE_TTL_S:
+        raise ValueError(
+            f"--response-ttl must be in 1..{MAX_RESPONSE_TTL_S} seconds (a day: above any router's --request-timeout, "
+            f"and nats-server keeps a worker's leave to reply to each request that long), got {ttl}"
+        )
 
 
 def write_api_keys(out: Path, count: int) -> Path:
@@ -168,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:  # before anything is written: a bad flag leaves no half-done run
+        _check_flags(args)
         etcd_context = _etcd_context(args.etcd_ca) if args.etcd_endpoint and args.etcd_ca else None
         if args.etcd_endpoint:
             _check_etcd_endpoint(args.etcd_endpoint, args.etcd_ca)
@@ -179,18 +203,22 @@ def run(args: argparse.Namespace) -> int:
     if args.routers or args.workers:
         try:
             plan = NatsAuthPlan.generate(
-                args.namespace, args.routers, args.workers, response_ttl_s=args.response_ttl, seeds_dir=out
+                args.namespace,
+                args.routers,
+                args.workers,
+                response_ttl_s=args.response_ttl or RESPONSE_TTL_S,
+                seeds_dir=out,
             )
         except ValueError as exc:
             print(f"kvswitch secrets: {exc}", file=sys.stderr)
             return 2
     tls = None
     if args.tls_hosts:  # before the NATS files: a kept certificate it refuses leaves no half-done run
-        from kvswitch.certs import KeptCertificateError, certificate_hosts, write_tls
+        from kvswitch.certs import certificate_hosts, write_tls
 
         try:
             tls = write_tls(out / "tls", args.tls_hosts)
-        except KeptCertificateError as exc:
+        except ValueError as exc:  # a host no certificate can name, or a KeptCertificateError
             print(f"kvswitch secrets: --tls-hosts: {exc}", file=sys.stderr)
             return 2
     if plan is not None:

@@ -30,6 +30,7 @@ from protocol import subjects
 from protocol.messages import Role
 
 __all__ = [
+    "MAX_RESPONSE_TTL_S",
     "RESPONSE_MAX",
     "IdentityRole",
     "NatsAuthPlan",
@@ -40,6 +41,11 @@ __all__ = [
 
 IdentityRole = Literal["router", "worker"]
 RESPONSE_MAX = 1_000_000
+# The longest `allow_responses` time: a day, far past any request's deadline (the router's
+# --request-timeout, 600 s by default). nats-server keeps a worker's leave to reply to each request
+# until it expires (or RESPONSE_MAX replies), so a longer one is memory for nothing; and past Go's
+# longest duration (~9.2e9 s) nats-server refuses the config ("invalid duration") when it starts.
+MAX_RESPONSE_TTL_S = 86_400
 ENGINE_ROLES: tuple[str, ...] = get_args(Role)
 
 
@@ -112,8 +118,8 @@ class NatsAuthPlan:
             if (identity.role, identity.name) in seen:
                 raise ValueError(f"{identity.role} name {identity.name!r} is given twice")
             seen.add((identity.role, identity.name))
-        if self.response_ttl_s <= 0:
-            raise ValueError(f"response_ttl_s must be > 0, got {self.response_ttl_s}")
+        if not 0 < self.response_ttl_s <= MAX_RESPONSE_TTL_S:
+            raise ValueError(f"response_ttl_s must be in 1..{MAX_RESPONSE_TTL_S} (seconds), got {self.response_ttl_s}")
 
     @classmethod
     def generate(

@@ -26,13 +26,14 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from kvswitch.cluster import POOLS, STOP_GRACE_S, ClusterSpec, LocalCluster, RestartPolicy
+from kvswitch.cluster import POOLS, STOP_GRACE_S, ClusterSpec, LocalCluster, RestartPolicy, shim_argv
 from kvswitch.servers import FREE_PORTS_ENV, ServerError, port_range, symlinked
 from protocol import ConfigError, subjects
+from protocol.config import RouterSettings, resolve
 from protocol.errors import try_listen
 from protocol.timing import profile_names
 
@@ -48,8 +49,8 @@ MIN_BACKOFF_S = 0.1
 log = logging.getLogger("kvswitch.up")
 _EPILOG = (
     "Any other flag is a router flag, given to every router replica: `kvswitch router --help` lists them "
-    "(e.g. kvswitch up --agg 2 --conditional-disagg). Without --agg, --prefill or --decode only NATS and etcd "
-    "start, for shims and routers of your own."
+    "(e.g. kvswitch up --prefill 1 --decode 2 --conditional-disagg). Without --agg, --prefill or --decode only NATS "
+    "and etcd start, for shims and routers of your own."
 )
 _NO_WORKERS = (
     "kvswitch up: no workers, so no routers: add simulated ones with --agg N (or --prefill P --decode D), "
@@ -172,9 +173,7 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
     restart = _restart_policy(args)
     sim_args = [*_max_model_len_args(args), *_lora_args(args.lora_modules, args.model)]
     extra: list[str] = list(getattr(args, "extra", []))
-    if extra:
-        _check_router_args(extra, args)
-    return ClusterSpec(
+    spec = ClusterSpec(
         nats_port=args.nats_port, etcd_port=args.etcd_port, namespace=args.namespace,
         prefill=args.prefill, decode=args.decode, agg=args.agg, routers=routers,
         http_port=args.http_port if routers else 0, speedup=args.speedup, model=args.model,
@@ -183,6 +182,16 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         nats_nodes=args.nats_nodes, etcd_members=args.etcd_members, etcd_auth=args.secure, nats_auth=args.secure,
         restart=restart,
     )  # fmt: skip
+    # Every child's settings as it will resolve them (flags, then the KVSWITCH_* variables it
+    # inherits), by its own rules: what it would refuse at its start is refused now, before NATS,
+    # etcd and the sims start (a shim's refusal was exit 1 after them all, its words in its log).
+    with _stand_ins(args) as connection:
+        if extra or routers:
+            settings = _check_router_args(extra, args, connection)
+            if routers:
+                _check_pools(args, settings)
+        _check_shims(spec, connection)
+    return spec
 
 
 def _check_draw(args: argparse.Namespace, workers: int, routers: int) -> None:
@@ -398,7 +407,10 @@ def _unknown_flags(unknown: list[str], router: argparse.ArgumentParser) -> str:
     )
 
 
-def _check_router_args(extra: list[str], args: argparse.Namespace) -> None:
+def _check_router_args(extra: list[str], args: argparse.Namespace, connection: dict[str, Any]) -> RouterSettings:
+    """The routers' settings, resolved now by the router's own rules from `extra` and the
+    environment, as each replica will resolve them: contradictory flags are refused before
+    anything starts."""
     try:
         router_cli = importlib.import_module("router.cli")
     except ImportError as exc:
@@ -424,30 +436,86 @@ def _check_router_args(extra: list[str], args: argparse.Namespace) -> None:
                 f"kvswitch up: {flag} is set by kvswitch up itself (its own NATS and etcd, the routers on "
                 "127.0.0.1 from --http-port): drop it"
             )
-    # The replicas' settings as each will resolve them, checked now by the router's own rules, so
-    # that contradictory flags are refused before anything starts. Their argv and env as
-    # LocalCluster gives them (_start_router): its own NATS and etcd as flags and, with --secure,
-    # their CA, an nkey seed and an etcd user, which win over the KVSWITCH_NATS_*/ETCD_* variables.
-    ns.namespace, ns.http_host, ns.http_port, ns.model = args.namespace, "127.0.0.1", args.http_port, args.model
+    # Their argv as LocalCluster gives it (_start_router): its own NATS and etcd as flags, which win
+    # over the KVSWITCH_NATS_*/ETCD_* variables.
+    vars(ns).update(connection, http_host="127.0.0.1", http_port=args.http_port, model=args.model)
+    if args.secure:
+        ns.etcd_user, ns.etcd_password = "router", "-"  # LocalCluster._child_env
+    try:
+        config = router_cli.build_config(ns)
+        return resolve(RouterSettings, cli=config.overrides, file=config.file_settings)
+    except ConfigError as exc:
+        raise UpFlagError(f"kvswitch up: {exc}") from None
+
+
+def _check_pools(args: argparse.Namespace, settings: RouterSettings) -> None:
+    """The routers disaggregate exactly when there are prefill workers to do it: `always` or the
+    policy on (conditional_disagg) with none was aggregated without a word (bench.compare refuses
+    the same), and prefill workers under disagg=never got no request. disagg=conditional with the
+    policy off is the default, `always` where prefill workers exist, aggregated where none do."""
+    if not args.prefill and settings.disagg == "always":
+        why = _NO_PREFILL.format(what="prefills every request remotely")
+        raise UpFlagError(f"kvswitch up: {ConfigError('disagg', 'always', why)}")
+    if not args.prefill and settings.conditional.conditional_disagg:
+        why = _NO_PREFILL.format(what="has its policy choose a remote prefill or a local one per request")
+        raise UpFlagError(f"kvswitch up: {ConfigError('conditional_disagg', True, why)}")
+    if args.prefill and settings.disagg == "never":
+        raise UpFlagError(
+            f"kvswitch up: --prefill {args.prefill}: its prefill workers get no request under disagg=never (--disagg, "
+            "KVSWITCH_DISAGG): drop --prefill, or give --disagg always or conditional"
+        )
+
+
+_NO_PREFILL = (
+    "{what}, and --prefill is 0: add --prefill P beside --decode D, or drop it (aggregated workers need neither)"
+)
+
+
+def _check_shims(spec: ClusterSpec, connection: dict[str, Any]) -> None:
+    """Each pool's shim settings, resolved now by the shim's own rules from its argv
+    (kvswitch.cluster.shim_argv) and the environment it inherits, as it will resolve them."""
+    shim_cli = importlib.import_module("worker_shim.cli")
+    parser = argparse.ArgumentParser(prog="kvswitch shim")
+    shim_cli.add_arguments(parser)
+    for role in POOLS:
+        if not getattr(spec, role):
+            continue
+        # The sims' ports, drawn only at the start, stood in for by any.
+        ns = parser.parse_args(
+            shim_argv(spec, role, "http://127.0.0.1:1", "tcp://127.0.0.1:2", "tcp://127.0.0.1:3")[1:]
+        )
+        vars(ns).update(connection)
+        if spec.nats_auth:
+            ns.worker_name = f"{role}-0"
+        if spec.etcd_auth:
+            ns.etcd_user, ns.etcd_password = "worker", "-"  # LocalCluster._child_env
+        try:
+            shim_cli.resolve_settings(ns)
+        except ConfigError as exc:
+            raise UpFlagError(f"kvswitch up: its {role} shims: {exc}") from None
+
+
+@contextlib.contextmanager
+def _stand_ins(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """The NATS and etcd flags LocalCluster gives its routers and shims (_connection_args), as
+    settings: with --secure, files it writes only once it starts stand in, of the same kinds (a CA
+    and an nkey seed), for each child reads what they hold."""
     nats, etcd = ("tls", "https") if args.secure else ("nats", "http")
-    ns.nats_servers = [f"{nats}://127.0.0.1:{args.nats_port or 4222}"]
-    ns.etcd_endpoints = [f"{etcd}://127.0.0.1:{args.etcd_port or 2379}"]
+    connection: dict[str, Any] = {
+        "namespace": args.namespace,
+        "nats_servers": [f"{nats}://127.0.0.1:{args.nats_port or 4222}"],
+        "etcd_endpoints": [f"{etcd}://127.0.0.1:{args.etcd_port or 2379}"],
+    }
     with tempfile.TemporaryDirectory(prefix="kvswitch-up-check-") as tmp:
         if args.secure:
-            # Files up writes only once it starts, and the router reads what they hold: throwaway
-            # ones of the same kinds stand in for them here.
             from kvswitch.certs import write_tls
             from kvswitch.nats_auth import NatsIdentity
 
-            seed = Path(tmp, "router.nk")
-            seed.write_text(NatsIdentity.create("check", "router").seed)
-            ns.nats_tls_ca = ns.etcd_tls_ca = str(write_tls(Path(tmp), ["127.0.0.1"]).ca)
-            ns.nats_nkey_file = str(seed)
-            ns.etcd_user, ns.etcd_password = "router", "-"  # LocalCluster._child_env
-        try:
-            router_cli.build_config(ns)
-        except ConfigError as exc:
-            raise UpFlagError(f"kvswitch up: {exc}") from None
+            seed = Path(tmp, "check.nk")
+            seed.write_text(NatsIdentity.create("check", "worker").seed)
+            ca = str(write_tls(Path(tmp), ["127.0.0.1"]).ca)
+            connection.update(nats_tls_ca=ca, etcd_tls_ca=ca, nats_nkey_file=str(seed))
+        yield connection
 
 
 class _HealthLog:

@@ -34,7 +34,7 @@ from protocol.config import (
     load_file,
     resolve,
 )
-from protocol.errors import listen_error, try_listen
+from protocol.errors import listen_error, setting_names, try_listen
 from protocol.kv_budget import KV_BATCH_BURST, KV_BATCHES_PER_S, KV_MIB_BURST, KV_MIB_PER_S
 from router.api_keys import ApiKeys, ApiKeysError
 from router.content_format import CONTENT_FORMATS
@@ -222,6 +222,15 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
                 self.chat_template_content_format,
                 f"one of {', '.join(CONTENT_FORMATS)}",
             )
+        if self.chat_template_content_format != "auto" and self.tokenizer is None:
+            # the built-in tokenizer renders message content as it is (as --default-chat-template-kwargs,
+            # refused in _template_kwargs): this would be read by nothing
+            raise ConfigError(
+                "chat_template_content_format",
+                self.chat_template_content_format,
+                "read with --tokenizer only: the built-in tokenizer's ChatML (engine_sim's) takes message content as "
+                "it is; give --tokenizer, or drop it",
+            )
         unset = {
             "model": "leave it out to serve every registered model",  # "" would 404 every request
             "tokenizer": "leave it out for the built-in tokenizer",
@@ -310,6 +319,13 @@ def build_config(args: argparse.Namespace) -> Any:
         )
     _check_host(proc.http_host)
     keys_file = proc.api_keys_file
+    if keys_file is not None and args.no_api_keys:
+        raise ConfigError(
+            "no_api_keys",
+            True,
+            f"read without an API keys file only, and {setting_names('api_keys_file')} gives {keys_file}, whose keys "
+            "are then required: drop one",
+        )
     if keys_file is None and not args.no_api_keys and not _loopback(proc.http_host):
         raise ConfigError(
             "api_keys_file",

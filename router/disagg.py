@@ -108,6 +108,7 @@ class Disaggregator:
         self._timer = timer
         self.transfers = transfers or TransferHealth()
         self.counts: Counter[Outcome] = Counter()
+        self._unpaired: set[str] = set()  # models said to have no prefill worker while one was asked for
         self._install(settings, make_policy(settings.conditional, settings))
 
     def configure(self, settings: RouterSettings) -> None:
@@ -131,6 +132,8 @@ class Disaggregator:
         cooldown is that pair's probe (router.transfer_health). Not in plan(): a dry run would
         take the probe."""
         self.record(plan.outcome)
+        if plan.path is Path.REMOTE and self._unpaired:
+            self._unpaired.discard(plan.ctx.model)  # it has one again: a later loss is said anew
         if plan.path is Path.REMOTE and plan.prefill is not None and self.transfers.any:
             self.transfers.probing(plan.decode.worker, plan.prefill.worker)
 
@@ -143,6 +146,31 @@ class Disaggregator:
         self.selector.advance("spill" if plan.outcome is Outcome.SPILLED_TO_PREFILL else "decode")
         if plan.path is Path.REMOTE and plan.prefill is not None:
             self.selector.advance("prefill")
+
+    def unpaired(self, plan: RoutePlan) -> None:
+        """`plan`'s model has no prefill worker registered: where the settings ask for remote
+        prefills (`asks_prefill`), a WARNING the first time, and again only after one of its
+        requests was prefilled remotely. Its requests are counted as ever (`no_prefill_pool` on a
+        decode worker, `aggregated` on an agg one), which was all that told an operator their
+        `--disagg always` or `--conditional-disagg` did nothing."""
+        model = plan.ctx.model
+        if not self.asks_prefill or model in self._unpaired:
+            return
+        self._unpaired.add(model)
+        s = self.settings
+        asked = f"disagg={s.disagg}" + (" with conditional_disagg on" if self.policy_decides else "")
+        log.warning(
+            "model %s: %s asks for remote prefills, but no prefill worker of it is registered: its requests are "
+            "prefilled where they decode (outcome %s in kvswitch_router_decisions_total) until one registers",
+            model, asked, plan.outcome,
+        )  # fmt: skip
+
+    @property
+    def asks_prefill(self) -> bool:
+        """The settings ask for remote prefills: disagg=always, or the policy deciding. Not the
+        default (disagg=conditional, the policy off), which prefills remotely where a model has
+        prefill workers, and serves a fleet without any aggregated, as asked."""
+        return self.settings.disagg == "always" or self.policy_decides
 
     @property
     def seed_decides(self) -> bool:

@@ -56,6 +56,9 @@ _NO_UTILITY = frozenset(
         Exclusion.ENGINE_UNHEALTHY,
     }
 )
+# What a request with no prefill worker of its model gets (router.disagg): said once where the
+# settings ask for remote prefills (Disaggregator.unpaired).
+_UNPAIRED = frozenset({Outcome.NO_PREFILL_POOL, Outcome.AGGREGATED})
 
 __all__ = ["PlanError", "Planner", "PrefixIndex", "PrefixReach", "standalone_planner"]
 
@@ -502,6 +505,12 @@ class Planner:
         plan = self.disagg.plan(ctx, prefill_full=prefill_full, prefill_failing=prefill_failing)
         assert plan is not None  # refresh() guarantees a decode candidate
         self.disagg.chosen(plan)
+        if (
+            plan.outcome in _UNPAIRED
+            and not (ctx.prefill_pool or prefill_full or prefill_failing)
+            and not any(e.get("role") == "prefill" for e in ctx.excluded)  # none registered at all
+        ):
+            self.disagg.unpaired(plan)
         if plan.path is Path.REMOTE and plan.prefill is not None:
             # past a cooldown, this request probes a prefill worker whose legs failed (router.eligibility)
             self.eligibility.prefill_probe(plan.prefill.worker, self.settings.prefill_timeout_s)

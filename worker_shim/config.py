@@ -21,6 +21,7 @@ from protocol.timing import DEFAULT_PROFILE, TimingModel, profile_dir, profile_n
 from protocol.vllm_events import RESOLVED_BY_ENGINE, rank_endpoint
 from protocol.zmq_endpoint import split_endpoint
 from worker_shim.kv_events_config import parse_kv_events_config
+from worker_shim.model_config import kv_bytes_per_token
 
 __all__ = ["ENGINES", "KV_EVENTS_MODES", "ROLES", "EngineKind", "KvEventsMode", "ShimConfig"]
 
@@ -37,6 +38,8 @@ _ENDPOINT_FORMS = (
     "an address where it connects: tcp://10.0.0.7:5557; an IPv6 one in brackets: tcp://[fd00::7]:5557), "
     "vLLM's tcp://*:0 (the port it bound, read on /kv_event_sources), ipc://PATH or inproc://NAME"
 )
+# An element size for the check of --model-path's config.json, which leaves the dtype to the start.
+_STAND_IN_DTYPE = "fp16"
 MAX_LEASE_TTL = 9_000_000_000  # etcd's MaxLeaseTTL: "too large lease TTL" past it
 _DURATIONS = (
     "reregister_grace_s", "orphan_grace_s", "load_period_s", "events_timeout_s", "drain_grace_s", "health_interval_s",
@@ -232,6 +235,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                         value,
                         f"rank {self.data_parallel_rank} publishes at {ranked} (port + rank), past 65535",
                     )
+        if self.engine == "trtllm":
+            self._refuse_zmq_settings()
         if self.engine == "sglang" and self.kv_events is None:
             raise ConfigError("kv_events", None, "engine sglang publishes KV events over ZMQ: give its endpoint")
         for name in ("block_size", "kv_total_blocks", "max_num_batched_tokens", "kv_bytes_per_token"):
@@ -295,20 +300,47 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError("bootstrap_host", self.bootstrap_host, "only SGLang's P/D takes it: drop it")
             if not self.bootstrap_host.strip() or any(c in self.bootstrap_host for c in "/: "):
                 raise ConfigError("bootstrap_host", self.bootstrap_host, "a host name or IPv4 address, no port")
-        if self.model_path is not None and not Path(self.model_path).is_dir():
-            # Given and wrong is a typo or a missing mount: said at start, not as a WARNING later
-            # with the worker registered without its KV size.
-            raise ConfigError(
-                "model_path",
-                self.model_path,
-                "not a directory here: give the model's directory (its config.json gives the KV bytes per "
-                "token), or --kv-bytes-per-token and no --model-path",
-            )
+        if self.model_path is not None:
+            self._check_model_path(self.model_path)
         try:
             subjects.validate_namespace(self.namespace)
         except ValueError as exc:
             raise ConfigError("namespace", self.namespace, str(exc)) from exc
         return self
+
+    def _refuse_zmq_settings(self) -> None:
+        """TensorRT-LLM's KV events come over HTTP (adapters/trtllm.py polls /kv_cache_events): the
+        ZMQ settings would be read by nothing, as --kv-events-config is refused (above)."""
+        given = [("kv_events", self.kv_events), ("kv_replay", self.kv_replay)]
+        given += [("kv_events_topic", self.kv_events_topic or None)]
+        given += [("kv_events_mode", None if self.kv_events_mode == "auto" else self.kv_events_mode)]
+        for name, value in given:
+            if value is not None:
+                raise ConfigError(
+                    name,
+                    value,
+                    "read with --engine vllm or sglang only, not --engine trtllm, whose KV events the shim polls "
+                    "over HTTP: drop it",
+                )
+
+    @staticmethod
+    def _check_model_path(path: str) -> None:
+        """Given and wrong is a typo, a missing mount or another model's folder: said at start, not
+        as a WARNING later with the worker registered without its KV size (routers then price its
+        transfers at their default profile's). Its config.json must give what the KV size is made
+        of; the element size may still come from the engine (its cache dtype), known only at start,
+        so a stand-in one is given here. Empty is refused, not read as unset."""
+        way_out = (
+            "give the model's directory (its config.json gives the KV bytes per token), or --kv-bytes-per-token "
+            "and no --model-path"
+        )
+        if not path:
+            raise ConfigError("model_path", path, f"must not be empty: {way_out}")
+        if not Path(path).is_dir():
+            raise ConfigError("model_path", path, f"not a directory here: {way_out}")
+        _, why = kv_bytes_per_token(path, _STAND_IN_DTYPE)
+        if why:
+            raise ConfigError("model_path", path, f"{why}: {way_out}")
 
     def timing_warning(self) -> str | None:
         """The WARNING a shim gives at start when routers can only price its worker at the default

@@ -17,7 +17,7 @@ from etcd3aio import Etcd3Client
 
 from discovery import Discovery
 from kvswitch.certs import certificate_hosts, write_tls
-from kvswitch.servers import EtcdServer, NatsServer
+from kvswitch.servers import EtcdServer, NatsServer, find_nats_server, free_port
 from protocol.config import EtcdSettings, NatsSettings
 
 
@@ -398,3 +398,68 @@ def test_a_from_key_grant_reaches_past_the_namespace_and_is_kept() -> None:
         held = {(p["key"], p.get("range_end")) for p in root.call("auth/role/get", {"role": "worker"})["perm"]}
         assert (b64("/sc/z"), b64("\0")) in held
     assert _shown("/sc/z", "\0") == "/sc/z (from key)"
+
+
+@pytest.mark.parametrize(
+    ("host", "said"),
+    [
+        ("nats.kvswitch.svc:4222", "has a port in it"),
+        ("[::1]:4222", "has a port in it"),
+        ("https://etcd.x", "a URL: give its host alone"),
+        ("etcd.x/v3", "has a path in it"),
+        ("nats kvswitch", "has whitespace in it"),
+        ("10.0.0.256", "is no IP address"),
+        ("1.2.3", "is no IP address"),
+        ("fe80::1%eth0", "has an IPv6 zone"),
+        ("nats_0.svc", "is neither an IP address nor a DNS name"),
+        ("-nats.svc", "is neither an IP address nor a DNS name"),
+        ("nats.svc.", "is neither an IP address nor a DNS name"),
+        ("a." * 127 + "b", "is neither an IP address nor a DNS name"),  # 255 characters
+        ("*.*.svc", "is neither an IP address nor a DNS name"),
+    ],
+)
+def test_a_tls_host_no_certificate_can_name_is_refused_naming_the_flag(host: str, said: str, tmp_path: Path) -> None:
+    """Config review of 2026-12-07, finding 4: anything not an IP address was written as a DNS
+    name (DNS:nats.kvswitch.svc:4222, DNS:https://etcd.x, DNS:10.0.0.256), exit 0, and every client
+    then refused the certificate."""
+    out = _secrets("--out", str(tmp_path), "--workers", "w0", "--tls-hosts", f"nats,{host}")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"kvswitch secrets: --tls-hosts: {host!r} {said}"), out.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written, the NATS files neither
+
+
+def test_tls_hosts_of_every_kind_a_certificate_names_are_certified(tmp_path: Path) -> None:
+    hosts = ["nats", "*.etcd-headless.kvswitch.svc", "etcd-0.etcd-headless.kvswitch.svc", "127.0.0.1", "fd00::7"]
+    tls = write_tls(tmp_path, hosts)
+    assert certificate_hosts(tls.nats.cert) == hosts
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--workers", "w0", "--response-ttl", "99999999999999"], "--response-ttl must be in 1..86400 seconds"),
+        (["--workers", "w0", "--response-ttl", "0"], "--response-ttl must be in 1..86400 seconds"),
+        (["--routers", "r0", "--response-ttl", "600"], "--response-ttl is read with --workers only"),
+        (["--workers", "w0", "--etcd-ca", "/etc/hosts"], "--etcd-ca is read with --etcd-endpoint only"),
+        (["--workers", "w0", "--rotate-etcd-passwords"], "--rotate-etcd-passwords is read with --etcd-endpoint only"),
+    ],
+)
+def test_a_flag_nothing_reads_or_a_response_ttl_nats_would_refuse_is_refused(
+    args: list[str], said: str, tmp_path: Path
+) -> None:
+    """Config review of 2026-12-07, findings 4 and 7: --response-ttl 99999999999999 wrote
+    "expires": "99999999999999s", which nats-server refuses ("invalid duration") only when it
+    starts; --etcd-ca without --etcd-endpoint was ignored, exit 0."""
+    out = _secrets("--out", str(tmp_path), *args)
+    assert out.returncode == 2 and out.stderr.startswith(f"kvswitch secrets: {said}"), out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_longest_response_ttl_is_written_as_nats_server_takes_it(tmp_path: Path) -> None:
+    out = _secrets("--out", str(tmp_path), "--workers", "w0", "--response-ttl", "86400")
+    assert out.returncode == 0, out.stderr
+    (tmp_path / "nats.conf").write_text(f"port: {free_port()}\ninclude ./nats-auth.conf\n")
+    checked = subprocess.run(
+        [find_nats_server(), "-t", "-c", "nats.conf"], cwd=tmp_path, capture_output=True, text=True, timeout=30
+    )
+    assert checked.returncode == 0 and '"expires": "86400s"' in (tmp_path / "nats-auth.conf").read_text(), checked

@@ -208,6 +208,19 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
             "1",
         ),
         (["--agg", "1", "--disagg", "never", "--conditional-disagg"], "kvswitch up: invalid conditional_disagg"),
+        # it came up healthy and aggregated every request without a word (config review of 2026-12-07, finding 6)
+        (
+            ["--agg", "1", "--disagg", "always"],
+            "kvswitch up: invalid disagg (--disagg, KVSWITCH_DISAGG) = 'always': prefills every request remotely, "
+            "and --prefill is 0: add --prefill P beside --decode D",
+        ),
+        (["--agg", "2", "--conditional-disagg"], "kvswitch up: invalid conditional_disagg (--conditional-disagg, "),
+        (["--decode", "1", "--conditional-disagg"], "and --prefill is 0"),
+        (
+            ["--prefill", "1", "--decode", "1", "--disagg", "never"],
+            "kvswitch up: --prefill 1: its prefill workers get no request under disagg=never (--disagg, "
+            "KVSWITCH_DISAGG)",
+        ),
         (
             ["--agg", "1", "--routers", "0", "--demo"],
             "kvswitch up: --demo sends its requests through a router: drop --routers 0 or --demo",
@@ -242,7 +255,67 @@ def test_a_bad_cluster_flag_is_refused_before_anything_starts(argv: list[str], s
 def test_up_help_says_other_flags_go_to_every_router() -> None:
     out = subprocess.run([sys.executable, "-m", "kvswitch", "up", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "router flag, given to every router replica" in out.stdout, out.stdout
-    assert "kvswitch router --help" in " ".join(out.stdout.split()), out.stdout
+    said = " ".join(out.stdout.split())
+    assert "kvswitch router --help" in said, out.stdout
+    # its example was --agg 2 --conditional-disagg, which has no prefill worker to disaggregate to
+    example = re.search(r"e\.g\. (kvswitch up [^)]*)\)", said)
+    assert example is not None and example[1] == "kvswitch up --prefill 1 --decode 2 --conditional-disagg", said
+    assert isinstance(_spec(_up_args(example[1].split()[2:])), ClusterSpec)
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        (
+            {"KVSWITCH_LEASE_TTL": "1"},
+            "kvswitch up: its agg shims: invalid lease_ttl (--lease-ttl, KVSWITCH_LEASE_TTL) = 1: must be in 2..",
+        ),
+        ({"KVSWITCH_ETCD_USER": "me"}, "etcd_user and etcd_password go together"),
+        ({"KVSWITCH_DISAGG": "always"}, "kvswitch up: invalid disagg (--disagg, KVSWITCH_DISAGG) = 'always'"),
+    ],
+)
+def test_a_child_setting_from_the_environment_is_refused_before_anything_starts(env: dict[str, str], said: str) -> None:
+    """Config review of 2026-12-07, finding 2: a shim's setting its environment gave it wrong was
+    refused by the shim only once NATS, etcd and the sims ran, and `kvswitch up` exited 1 with the
+    shim's words in its log; a router setting in the environment was not checked at all without a
+    router flag."""
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "kvswitch", "up", "--agg", "1"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **env},
+    )  # fmt: skip
+    assert out.returncode == 2 and said in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1 and "nats" not in out.stdout and time.monotonic() - started < 20, out
+
+
+def test_the_shims_listen_on_loopback_at_a_free_port_whatever_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KVSWITCH_HTTP_HOST and KVSWITCH_HTTP_PORT are the router's and the shim's alike: up gave its
+    routers theirs as flags, its shims none, so each shim took the variables' (a shim listening on
+    0.0.0.0 beside URLs all of 127.0.0.1; the routers' port too, a bind that failed)."""
+    from kvswitch.cluster import shim_argv
+    from worker_shim.cli import add_arguments as shim_arguments
+    from worker_shim.cli import resolve_settings
+
+    monkeypatch.setenv("KVSWITCH_HTTP_HOST", "0.0.0.0")
+    monkeypatch.setenv("KVSWITCH_HTTP_PORT", "18181")
+    parser = argparse.ArgumentParser()
+    shim_arguments(parser)
+    argv = shim_argv(ClusterSpec(agg=1), "agg", "http://127.0.0.1:1", "tcp://127.0.0.1:2", "tcp://127.0.0.1:3")
+    shim, _, _ = resolve_settings(parser.parse_args(argv[1:]))
+    assert (shim.http_host, shim.http_port) == ("127.0.0.1", 0)
+
+
+def test_up_serves_with_the_http_port_variable_set_for_its_routers_and_shims() -> None:
+    """Config review of 2026-12-07, finding 2: with KVSWITCH_HTTP_PORT set, every shim bound it (the
+    second "address already in use", exit 2) after NATS, etcd and the sims had started; up exited 1."""
+    env = {**os.environ, "KVSWITCH_HTTP_PORT": str(free_port())}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvswitch", "up", "--agg", "2", "--http-port", "0", "--speedup", "20", "--demo"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0 and "health: nats=ok etcd=ok children=4/4 up" in out.stdout, out.stdout + out.stderr
 
 
 def test_the_longest_max_model_len_a_refusal_offers_is_accepted() -> None:

@@ -148,3 +148,39 @@ def test_the_kv_budget_flags_reach_the_router() -> None:
     config = cli.build_config(_args("--kv-budget-batches-per-s", "2000", "--kv-budget-mib-burst", "16"))
     budget = config.kv_budget.budget()
     assert (budget.rate_per_s, budget.burst, budget.bytes_per_s, budget.bytes_burst) == (2000, 5000, 4 << 20, 16 << 20)
+
+
+@pytest.mark.parametrize("value", ["string", "openai"])
+@pytest.mark.parametrize("given", ["flag", "env"])
+def test_a_chat_template_content_format_without_a_tokenizer_is_refused_naming_it(
+    value: str, given: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Config review of 2026-12-07, finding 7: the built-in tokenizer ignored it (as it would
+    --default-chat-template-kwargs, which was refused), and the router started."""
+    if given == "env":
+        monkeypatch.setenv("KVSWITCH_CHAT_TEMPLATE_CONTENT_FORMAT", value)
+    argv = ["--chat-template-content-format", value] if given == "flag" else []
+    with pytest.raises(ConfigError) as err:
+        cli.build_config(_args(*argv))
+    assert (err.value.setting, err.value.value) == ("chat_template_content_format", value)
+    assert "read with --tokenizer only" in str(err.value), err.value
+    assert cli.build_config(_args("--chat-template-content-format", "auto")).chat_template_content_format == "auto"
+
+
+@pytest.mark.parametrize("given", ["flag", "env"])
+def test_no_api_keys_beside_an_api_keys_file_is_refused_naming_both(
+    given: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Config review of 2026-12-07, finding 7: --no-api-keys was ignored, and the keys required."""
+    keys = tmp_path / "api-keys"
+    keys.write_text("sk-a\n")
+    keys.chmod(0o600)
+    if given == "env":
+        monkeypatch.setenv("KVSWITCH_API_KEYS_FILE", str(keys))
+    argv = ["--api-keys-file", str(keys)] if given == "flag" else []
+    with pytest.raises(ConfigError) as err:
+        cli.build_config(_args(*argv, "--http-host", "0.0.0.0", "--no-api-keys"))
+    said = str(err.value)
+    assert said.startswith("invalid no_api_keys (--no-api-keys) = True: read without an API keys file only"), said
+    assert f"--api-keys-file, KVSWITCH_API_KEYS_FILE gives {keys}" in said
+    assert cli.build_config(_args(*argv, "--http-host", "0.0.0.0")).api_keys_file == str(keys)

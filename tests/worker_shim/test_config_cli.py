@@ -16,6 +16,7 @@ from engine_sim.server import SimServer
 from kvswitch.servers import free_port
 from protocol import ConfigError
 from tests.worker_shim.cluster import shim_for, sim_config, wait_for
+from tests.worker_shim.test_model_config import TINY_LLAMA
 from worker_shim import ShimConfig, ShimStatus
 from worker_shim.cli import add_arguments, resolve_settings
 
@@ -155,6 +156,27 @@ def test_events_config_errors_name_the_setting(kw: dict[str, object], setting: s
 
 
 @pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--kv-events", "tcp://127.0.0.1:5557"),
+        ("--kv-replay", "tcp://127.0.0.1:5558"),
+        ("--kv-events-topic", "kv-events"),
+        ("--kv-events-mode", "bind"),
+    ],
+)
+def test_a_zmq_event_setting_with_engine_trtllm_is_refused_naming_it(flag: str, value: str) -> None:
+    """Config review of 2026-12-07, finding 7: TensorRT-LLM's events come over HTTP, so these were
+    read by nothing, where --kv-events-config was refused for the same reason."""
+    setting = flag.removeprefix("--").replace("-", "_")
+    with pytest.raises(ConfigError) as err:
+        resolve_settings(parse("--engine", "trtllm", "--model", "m", flag, value))
+    assert (err.value.setting, err.value.value) == (setting, value)
+    assert "read with --engine vllm or sglang only, not --engine trtllm" in str(err.value), err.value
+    shim, _, _ = resolve_settings(parse("--engine", "trtllm", "--model", "m", "--kv-events-mode", "auto"))
+    assert (shim.kv_events, shim.kv_replay, shim.kv_events_topic) == (None, None, "")
+
+
+@pytest.mark.parametrize(
     ("kw", "setting"),
     [
         ({"kv_events": "tcp://x"}, "kv_events"),  # no port: "Invalid argument" each second, never registered
@@ -274,6 +296,7 @@ def test_the_longest_load_period_and_a_known_profile_are_accepted() -> None:
 
 
 def test_new_flags_reach_the_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     args = parse(
         "--model",
         "llama",
@@ -288,7 +311,7 @@ def test_new_flags_reach_the_config(tmp_path: Path) -> None:
         "--http-host",
         "0.0.0.0",
         "--model-path",
-        str(tmp_path),  # a directory that exists: another is refused
+        str(tmp_path),  # a model's directory: another is refused
         "--events-timeout-s",
         "3",
         "--reregister-grace-s",

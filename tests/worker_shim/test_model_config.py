@@ -107,6 +107,7 @@ async def test_the_shim_registers_kv_bytes_from_model_path_and_never_from_the_pr
 def test_a_model_path_that_is_no_directory_is_refused_at_start(tmp_path: Path) -> None:
     """Given and wrong (a typo, a volume not mounted) was one WARNING after registering a worker
     without its KV size."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     ShimConfig(model="m", kv_events="tcp://*:1", model_path=str(tmp_path)).validate()
     for wrong in (tmp_path / "nope", tmp_path / "config.json"):
         if wrong.name == "config.json":
@@ -114,3 +115,42 @@ def test_a_model_path_that_is_no_directory_is_refused_at_start(tmp_path: Path) -
         with pytest.raises(ConfigError) as err:
             ShimConfig(model="m", kv_events="tcp://*:1", model_path=str(wrong)).validate()
         assert err.value.setting == "model_path" and "--kv-bytes-per-token" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("config", "said"),
+    [
+        (None, "config.json does not exist"),
+        ("not json", "config.json is not readable JSON"),
+        ([], "config.json is not a JSON object"),
+        ({"num_hidden_layers": 2}, "config.json lacks num_attention_heads / num_key_value_heads"),
+        ({**TINY_LLAMA, "num_hidden_layers": 0}, "config.json has no num_hidden_layers"),
+        ({"num_hidden_layers": 2, "kv_lora_rank": 512}, "kv_lora_rank (MLA) but no qk_rope_head_dim"),
+    ],
+)
+def test_a_model_path_whose_config_gives_no_kv_size_is_refused_at_start(
+    config: object, said: str, tmp_path: Path
+) -> None:
+    """Config review of 2026-12-07, finding 5: a directory without config.json, or with one that
+    lacks what the KV size is made of, passed the start, and the worker registered with no KV size
+    (routers priced its transfers at their default profile's), said in one WARNING later."""
+    if config is not None:
+        text = config if isinstance(config, str) else json.dumps(config)
+        (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        ShimConfig(model="m", kv_events="tcp://*:1", model_path=str(tmp_path)).validate()
+    assert err.value.setting == "model_path" and said in str(err.value), err.value
+    assert "--kv-bytes-per-token" in str(err.value)
+
+
+def test_an_empty_model_path_is_refused_not_read_as_unset() -> None:
+    """'' passed Path('').is_dir() (the working directory) and the shim then read it as unset."""
+    with pytest.raises(ConfigError) as err:
+        ShimConfig(model="m", kv_events="tcp://*:1", model_path="").validate()
+    assert err.value.setting == "model_path" and "must not be empty" in str(err.value), err.value
+
+
+def test_a_model_path_config_without_a_dtype_leaves_it_to_the_engine(tmp_path: Path) -> None:
+    """The element size may be the engine's cache dtype (fp8), known only once the shim asks it."""
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in TINY_LLAMA.items() if k != "torch_dtype"}))
+    assert ShimConfig(model="m", kv_events="tcp://*:1", model_path=str(tmp_path)).validate().model_path

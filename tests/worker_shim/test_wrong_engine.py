@@ -181,7 +181,7 @@ async def test_a_trtllm_metrics_that_is_no_json_is_a_protocol_error_not_an_engin
 @pytest.mark.parametrize(
     "settings",
     [
-        {"engine": "trtllm", "kv_events": None, "kv_replay": None},
+        {"engine": "trtllm", "kv_events": None, "kv_replay": None, "kv_events_mode": "auto"},  # trtllm reads none
         {"engine": "sglang"},
         {"engine": "sglang", "block_size": 16, "kv_total_blocks": 1000},
     ],
