@@ -4,13 +4,15 @@ certificates, NATS authorization when given a generated block (kvswitch.nats_aut
 users when asked (kvswitch.etcd_auth).
 
 Each server binds 127.0.0.1 on free ports with a temporary store; a port it drew that another
-process binds first is drawn again before `start` returns (`_Server.start`, `_Cluster`). Ready
-means its health endpoint answers (nats `/healthz`, etcd `/health`), not merely an open port: etcd
-3.4 accepts connections well before it can serve. Stop sends SIGTERM, waits, then kills; `kill()`
-is SIGKILL, for failure tests. Children get PR_SET_PDEATHSIG, so a parent that dies without stopping them does not leave
-servers behind (Linux only); start them from the main thread (or one that lives as long), since
-the signal follows the starting thread. Each runs in a session of its own: a terminal's Ctrl-C
-(SIGINT to its whole foreground process group) reaches only the parent, which stops them in order.
+process binds first is drawn again before `start` returns (`_Server.start`, `_Cluster`). Ready means
+its process listens on every one of its ports (read from /proc: another process's server on a port
+it drew answers the same probe) and its health endpoint answers (nats `/healthz`, etcd `/health`),
+not merely an open port: etcd 3.4 accepts connections well before it can serve. Stop sends SIGTERM,
+waits, then kills; `kill()` is SIGKILL, for failure tests. Children get PR_SET_PDEATHSIG, so a
+parent that dies without stopping them does not leave servers behind (Linux only); start them from
+the main thread (or one that lives as long), since the signal follows the starting thread. Each runs
+in a session of its own: a terminal's Ctrl-C (SIGINT to its whole foreground process group) reaches
+only the parent, which stops them in order.
 """
 
 from __future__ import annotations
@@ -565,17 +567,28 @@ class _Server:
         return self
 
     def _ready(self) -> bool:
-        """Whether it is healthy now; a ServerError (PortTaken when its output says another process
-        held ports of its) once it exited."""
+        """Whether it is healthy now, listening on every one of its ports itself; a ServerError
+        (PortTaken when its output says another process held ports of its) once it exited."""
         assert self.proc is not None, "launch() first"
         if self.proc.poll() is not None:
             said = f"{self.name} exited with {self.proc.returncode}: {self._held()}{self.log_tail()}"
             taken = self.taken_ports()
             raise PortTaken(said, taken) if taken else ServerError(said)
-        if self.healthy():
+        # A port it drew may be held by another process's server of its kind (another test worker's
+        # etcd) that answers the probe while this one has yet to fail its bind and exit: it was taken
+        # as served, never drawn again, and its URL was that other server's.
+        if self._listens_on_its_ports() and self.healthy():
             self._served = True
             return True
         return False
+
+    def _listens_on_its_ports(self) -> bool:
+        """Whether its process listens on every one of `ports()` (Linux's /proc)."""
+        assert self.proc is not None
+        if not Path("/proc/net/tcp").exists():
+            raise ServerError(f"{self.name}: no /proc/net/tcp to tell its ports are its own (kvswitch needs Linux)")
+        ours = socket_inodes(self.proc.pid)
+        return set(self.ports()) <= {port for _, port, inode in listeners() if inode in ours}
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.proc = self.proc, None

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,23 +89,40 @@ def _redraws(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "was taken by another process before" in r.getMessage()]
 
 
+@contextlib.contextmanager
+def _held(port: int, by: str, kind: type[NatsServer | EtcdServer], attr: str) -> Iterator[None]:
+    """`port` listened on by a bare socket, or by a running server of `kind` with it as its `attr`."""
+    if by == "socket":
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", port))
+            holder.listen()
+            yield
+    else:
+        given: dict[str, Any] = {attr: port}
+        with kind(**given):
+            yield
+
+
+@pytest.mark.parametrize("by", ["socket", "server"])
 @pytest.mark.parametrize(
     ("kind", "attr"),
     [(NatsServer, "port"), (NatsServer, "monitor_port"), (EtcdServer, "port"), (EtcdServer, "peer_port")],
 )
 def test_a_port_a_server_drew_taken_before_it_binds_it_is_drawn_again(
-    kind: type[NatsServer | EtcdServer], attr: str, caplog: pytest.LogCaptureFixture
+    kind: type[NatsServer | EtcdServer], attr: str, by: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     # free_port checks a port, the server binds it a moment later: another process (a parallel test
     # worker's server) could take it between, and the server, a test fixture's, failed "address
-    # already in use" (tests/conftest.py's nats_server and etcd_server draw their ports so)
+    # already in use" (tests/conftest.py's nats_server and etcd_server draw their ports so). A holder
+    # of its kind answered its health probe (NATS's monitor port, etcd's client port) before it
+    # exited: it was taken as served, never drawn again, and start() returned a dead process and the
+    # holder's URL (review of 9370f74).
     server = kind()
     taken = getattr(server, attr)
-    with socket.socket() as holder, caplog.at_level(logging.WARNING, logger="kvswitch.servers"):
-        holder.bind(("127.0.0.1", taken))
-        holder.listen()
+    with _held(taken, by, kind, attr), caplog.at_level(logging.WARNING, logger="kvswitch.servers"):
         try:
             server.start()
+            assert server.proc is not None and server.proc.poll() is None
             assert server.healthy() and taken not in server.ports()
         finally:
             server.close()
