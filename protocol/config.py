@@ -3,7 +3,8 @@
 Layering for every setting: CLI flag > environment variable (`KVSWITCH_<NAME>`) > config file (YAML
 or TOML) > default, and for the router's, the live config over them all (discovery.live_config).
 `resolve()` applies that order to one schema; `validate()` on each schema raises ConfigError naming
-the setting and what it allows.
+the setting and what it allows. NATS credentials are layered kind against kind as well: one sets
+aside those of other kinds below it (`NatsSettings.across_layers`).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import argparse
 import difflib
 import ipaddress
+import logging
 import math
 import os
 import re
 import ssl
 import tomllib
 import types
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 from urllib.parse import urlsplit
@@ -52,6 +54,8 @@ __all__ = [
     "resolve",
     "url_problem",
 ]
+
+log = logging.getLogger("kvswitch.config")
 
 PolicyName = Literal["isl_bounding", "prefill_load", "isl_or_load", "ttft_model", "slo_aware"]
 POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
@@ -325,7 +329,8 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError("nats_servers", url, problem)
         if (self.user is None) != (self.password is None):
             raise ConfigError("nats_user", self.user, "nats_user and nats_password go together")
-        self._check_one_credential()
+        self._check_not_empty()
+        self._check_one_credential(self._credential_kinds())
         if not PING_INTERVAL_S[0] <= self.ping_interval_s <= PING_INTERVAL_S[1]:  # NaN fails both
             raise ConfigError(
                 "nats_ping_interval_s",
@@ -353,36 +358,86 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
             self.ssl_context()
         return self
 
-    def _check_one_credential(self) -> None:
-        """ConfigError naming two credentials given together: nats-py sends one of them alone and
-        drops the other without a word (a creds file before an nkey seed, either of them, to a server
-        that asks for a signature, before a user and password, those before a token, a token before
-        a URL's userinfo), and a server that wants the other refused it for ever ('Authorization
+    def _check_not_empty(self) -> None:
+        """ConfigError for an empty user, password or token: nats-py sends none of them (`if
+        self.options["token"]`), so '' would connect with no credential, or leave the file's in
+        place, where it most likely came from a variable that was not set (`--nats-token "$TOKEN"`)."""
+        for name in ("user", "password", "token"):
+            if getattr(self, name) == "":
+                raise ConfigError(
+                    f"nats_{name}", "", "must not be empty (nats-py would send none): leave it unset to give none"
+                )
+
+    def _credential_kinds(self) -> list[str]:
+        """The kinds of NATS credential given (_CREDENTIAL_FIELDS' keys, in its order); a URL's
+        `user:password@` or `token@` is `servers`'."""
+        return [
+            kind
+            for kind, fields in _CREDENTIAL_FIELDS.items()
+            if (
+                any(urlsplit(url).username is not None for url in self.servers)
+                if kind == "servers"
+                else any(getattr(self, name) is not None for name in fields)
+            )
+        ]
+
+    def _check_one_credential(self, kinds: Sequence[str], where: Mapping[str, str] | None = None) -> None:
+        """ConfigError naming the first two of `kinds` that cannot go together, and where each came
+        from when `where` (by kind) says: nats-py sends one of them alone and drops the other without
+        a word (a creds file before an nkey seed, either of them, to a server that asks for a
+        signature, before a user and password, those before a token, a token before a URL's
+        userinfo), and a server that wants the other refused it for ever ('Authorization
         Violation'). A token beside a creds file or an nkey seed is not refused: nats-py sends it
         with the signature, for an auth callout to read (nats-py 2.16, Client._connect_command),
         and alone to a server that asks for none."""
-        in_url = next((url for url in self.servers if urlsplit(url).username is not None), None)
-        given = [
-            (setting, value)
-            for setting, value in (
-                ("nats_creds_file", self.creds_file),
-                ("nats_nkey_file", self.nkey_file),
-                ("nats_user", self.user),
-                ("nats_servers", in_url),
-            )
-            if value is not None
-        ]
-        if self.token is not None and any(setting in ("nats_user", "nats_servers") for setting, _ in given):
-            given.append(("nats_token", self.token))
-        if len(given) < 2:
+        pair = next(((a, b) for i, a in enumerate(kinds) for b in kinds[i + 1 :] if _clash(a, b)), None)
+        if pair is None:
             return
-        (setting, value), (other, _) = given[:2]
+        kind, other = pair
+        given = f" (one from {where[kind]}, the other from {where[other]})" if where is not None else ""
+        value = self.servers if kind == "servers" else getattr(self, kind)
         raise ConfigError(
-            setting,
+            "nats_" + kind,
             value,
-            f"give one NATS credential, not both {_CREDENTIALS[setting]} and {_CREDENTIALS[other]}: nats-py would "
-            "send one of them alone and drop the other without a word",
+            f"give one NATS credential, not both {_CREDENTIALS[kind]} and {_CREDENTIALS[other]}{given}: "
+            "nats-py would send one of them alone and drop the other without a word; one given at a higher layer "
+            "(flag > environment > config file) sets aside those of other kinds below it",
         )
+
+    def across_layers(self, sources: Mapping[str, tuple[int, str]]) -> NatsSettings:
+        """These settings less each credential that one of another kind it cannot go with, given in a
+        higher layer, shadows (flag > environment > config file, as any setting: `sources` gives each
+        field's layer, 0 the highest, and where it came from), each said at INFO. Layer by layer from
+        the file up: one set aside stays aside when what shadowed it is set aside in turn.
+        ConfigError for two such in one layer, naming where each came from. Until 2026-12-07 a token
+        in the config file refused `--nats-user ops --nats-password pw` naming --nats-token, which the
+        operator never set."""
+        self._check_not_empty()  # before anything is set aside for it
+        kinds = self._credential_kinds()
+        where = {kind: _given_by(_CREDENTIAL_FIELDS[kind], sources) for kind in kinds}
+        layer = {kind: min(sources[name][0] for name in _CREDENTIAL_FIELDS[kind] if name in sources) for kind in kinds}
+        kept: list[str] = []
+        aside: dict[str, str] = {}  # a kind set aside: the kind above it that shadows it
+        for rank in sorted(set(layer.values()), reverse=True):  # the config file's first
+            here = [kind for kind in kinds if layer[kind] == rank]
+            self._check_one_credential(here, where)
+            for kind in here:
+                for below in kept:
+                    if _clash(kind, below):
+                        aside.setdefault(below, kind)
+            kept = [kind for kind in kept if kind not in aside] + here
+        cleared: dict[str, Any] = {}
+        for below, above in aside.items():
+            log.info(
+                "NATS credential %s (%s) set aside: %s (%s) shadows it, given above it (flag > environment > config "
+                "file), and nats-py would send one of them alone",
+                _LABELS[below], where[below], _LABELS[above], where[above],
+            )  # fmt: skip
+            if below == "servers":
+                cleared["servers"] = [without_userinfo(url) for url in self.servers]
+            else:
+                cleared |= dict.fromkeys(_CREDENTIAL_FIELDS[below])
+        return msgspec.structs.replace(self, **cleared)
 
     def shown_servers(self) -> list[str]:
         """The server URLs as logs may name them: without a `user:password@`."""
@@ -436,13 +491,41 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
         return _ssl_context("nats_", self.tls_ca, self.tls_cert, self.tls_key)
 
 
-# The NATS credentials as NatsSettings._check_one_credential names them, by their setting.
+# The NATS credential kinds, by the fields that give them (a URL's userinfo is `servers`'): nats-py
+# sends one alone, but a token goes with a creds file or a seed (_GO_TOGETHER).
+_CREDENTIAL_FIELDS: dict[str, tuple[str, ...]] = {
+    "creds_file": ("creds_file",),
+    "nkey_file": ("nkey_file",),
+    "user": ("user", "password"),
+    "servers": ("servers",),
+    "token": ("token",),
+}
+_GO_TOGETHER = {frozenset({"token", "creds_file"}), frozenset({"token", "nkey_file"})}
+
+
+def _clash(kind: str, other: str) -> bool:
+    """Whether credentials of these two kinds cannot be given together."""
+    return kind != other and frozenset({kind, other}) not in _GO_TOGETHER
+
+
+def _given_by(fields: Iterable[str], sources: Mapping[str, tuple[int, str]]) -> str:
+    """Where `fields` came from, each place once ("--nats-user and KVSWITCH_NATS_PASSWORD")."""
+    return " and ".join(dict.fromkeys(sources[name][1] for name in fields if name in sources))
+
+
+# The NATS credential kinds as a message names them, and with how each is given.
+_LABELS = {
+    "creds_file": "nats_creds_file",
+    "nkey_file": "nats_nkey_file",
+    "user": "nats_user/nats_password",
+    "servers": "a user:password@ or token@ in nats_servers",
+    "token": "nats_token",
+}
 _CREDENTIALS = {
-    "nats_creds_file": f"nats_creds_file ({setting_names('nats_creds_file')})",
-    "nats_nkey_file": f"nats_nkey_file ({setting_names('nats_nkey_file')})",
-    "nats_user": f"nats_user/nats_password ({setting_names('nats_user')}; {setting_names('nats_password')})",
-    "nats_servers": f"a user:password@ or token@ in nats_servers ({setting_names('nats_servers')})",
-    "nats_token": f"nats_token ({setting_names('nats_token')})",
+    kind: f"{label} ({setting_names('nats_user')}; {setting_names('nats_password')})"
+    if kind == "user"
+    else f"{label} ({setting_names('nats_' + kind)})"
+    for kind, label in _LABELS.items()
 }
 
 
@@ -745,6 +828,7 @@ def resolve(
     env_prefix: str = "KVSWITCH_",
     setting_prefix: str = "",
     live: Mapping[str, Any] | None = None,
+    file_name: str | None = None,
 ) -> S:
     """Build `schema` from its layers: live > CLI flag > env > file > default, then validate it.
 
@@ -752,14 +836,20 @@ def resolve(
     CLI values that are None count as not given (an unset flag); a live value counts whenever its
     key is there, so a live None (JSON null) clears an Optional setting whichever layer set it.
     Fields of a nested Struct share their parent's flat names (a file may also nest them under the
-    field's name). List fields take comma-separated strings from the environment.
+    field's name). List fields take comma-separated strings from the environment. A schema with an
+    `across_layers(sources)` (NatsSettings: a credential shadows those of other kinds below it) is
+    given where each of its fields came from (`file_name`: the config file's path, for its words).
     """
     env = os.environ if env is None else env
-    merged = _layer(schema, live or {}, cli or {}, file or {}, env, env_prefix, setting_prefix)
+    sources: dict[str, tuple[int, str]] = {}
+    merged = _layer(schema, live or {}, cli or {}, file or {}, env, env_prefix, setting_prefix, sources, file_name)
     try:
         value = msgspec.convert(merged, schema, strict=False)
     except msgspec.ValidationError as exc:
         raise _named_error(schema, merged, exc, setting_prefix) from exc
+    across_layers = getattr(value, "across_layers", None)
+    if across_layers is not None:
+        value = across_layers(sources)
     validate = getattr(value, "validate", None)
     return validate() if validate is not None else value
 
@@ -772,13 +862,18 @@ def _layer(
     env: Mapping[str, str],
     env_prefix: str,
     prefix: str,
+    sources: dict[str, tuple[int, str]],
+    file_name: str | None,
 ) -> dict[str, Any]:
+    """The settings of `schema` from its layers, and into `sources` each given top-level field's layer
+    (0 live, 1 flag, 2 environment, 3 file) and where it came from ("--nats-token")."""
     out: dict[str, Any] = {}
+    in_file = f" in {file_name}" if file_name else " in the config file"
     for field in msgspec.structs.fields(schema):
         sub = _struct_type(field.type)
         if sub is not None:
             sub_file = _with_section(file, field.name, sub, prefix)
-            out[field.name] = _layer(sub, live, cli, sub_file, env, env_prefix, prefix)
+            out[field.name] = _layer(sub, live, cli, sub_file, env, env_prefix, prefix, {}, file_name)
             continue
         name = prefix + field.name
         if name != field.name and name in file and field.name in file:
@@ -788,16 +883,17 @@ def _layer(
             )
         env_name = env_prefix + name.upper()
         if name in live:
-            out[field.name] = live[name]
+            out[field.name], sources[field.name] = live[name], (0, f"{name} in the live config")
         elif cli.get(name) is not None:
-            out[field.name] = cli[name]
+            out[field.name], sources[field.name] = cli[name], (1, "--" + name.replace("_", "-"))
         elif env_name in env:
             raw = env[env_name]
             out[field.name] = [s.strip() for s in raw.split(",") if s.strip()] if _is_list(field.type) else raw
+            sources[field.name] = (2, env_name)
         elif name in file:
-            out[field.name] = file[name]
+            out[field.name], sources[field.name] = file[name], (3, name + in_file)
         elif field.name in file:
-            out[field.name] = file[field.name]
+            out[field.name], sources[field.name] = file[field.name], (3, field.name + in_file)
     return out
 
 

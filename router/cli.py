@@ -41,7 +41,7 @@ from router.content_format import CONTENT_FORMATS
 from router.kv_ingest import MIN_ENTRY_LIMIT
 from router.route_info import ROUTE_INFO, check_route_info
 from router.sender_budget import KvBudget
-from runtime import run_service, start_or_stop
+from runtime import LogConfigError, configure_logging, run_service, start_or_stop
 from runtime.fd_limit import raise_fd_limit
 
 if TYPE_CHECKING:
@@ -307,7 +307,7 @@ def build_config(args: argparse.Namespace) -> Any:
         name = str(exc).split(" ", 1)[0]  # each HttpLimits refusal starts with its field's name
         raise ConfigError(name, getattr(proc, name), str(exc)) from exc
     overrides = {k: v for k, v in given.items() if k in _ROUTER_FIELDS and v is not None}
-    nats = resolve(NatsSettings, cli=given, file=file, setting_prefix="nats_")
+    nats = resolve(NatsSettings, cli=given, file=file, setting_prefix="nats_", file_name=args.config)
     etcd = resolve(EtcdSettings, cli=given, file=file, setting_prefix="etcd_")
     settings = resolve(RouterSettings, cli=overrides, file=file)  # fail at startup, naming the flag
     if settings.prefill_timeout_s >= proc.request_timeout:
@@ -386,8 +386,9 @@ def _loopback(host: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        configure_logging()  # before the settings: resolving them may say a NATS credential was set aside
         config = build_config(args)
-    except ConfigError as exc:
+    except (ConfigError, LogConfigError) as exc:
         print(f"kvswitch router: {exc}", file=sys.stderr)
         return 2
 

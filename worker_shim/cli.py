@@ -129,19 +129,21 @@ def resolve_settings(args: argparse.Namespace) -> tuple[ShimConfig, NatsSettings
     check_file_keys(file, known, args.config)
     check_shared_keys(file, args.config, (NatsSettings, "nats_"), (EtcdSettings, "etcd_"))
     shim = resolve(ShimConfig, cli=cli, file=file)
-    nats = resolve(NatsSettings, cli=cli, file=file, setting_prefix="nats_")
+    nats = resolve(NatsSettings, cli=cli, file=file, setting_prefix="nats_", file_name=args.config)
     etcd = resolve(EtcdSettings, cli=cli, file=file, setting_prefix="etcd_")
     return shim, nats, etcd
 
 
 def run(args: argparse.Namespace) -> int:
+    from runtime import LogConfigError, configure_logging, run_service, start_or_stop
+
     try:
+        configure_logging()  # before the settings: resolving them may say a NATS credential was set aside
         shim_cfg, nats, etcd = resolve_settings(args)
-    except ConfigError as exc:
+    except (ConfigError, LogConfigError) as exc:
         print(f"kvswitch shim: {exc}", file=sys.stderr)
         return 2
     from discovery import DiscoveryError
-    from runtime import run_service, start_or_stop
     from runtime.fd_limit import raise_fd_limit
     from worker_shim.shim import WorkerShim
 

@@ -5,9 +5,11 @@ with a traceback (exit 1), looped in nats-py, or retried forever blaming --nats-
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
+import msgspec
 import nkeys
 import pytest
 
@@ -134,6 +136,95 @@ def test_two_nats_credentials_are_refused_naming_both(
     assert said.startswith(f"invalid {setting} (--{setting.replace('_', '-')}, KVSWITCH_{setting.upper()})"), said
     assert "give one NATS credential, not both" in said and other in said, said
     assert "s3cret" not in said and "pw" not in said, said
+    # where each came from: one layer, so neither shadows the other
+    where = {"cli": f"--{setting.replace('_', '-')}", "env": f"KVSWITCH_{setting.upper()}"}
+    assert f"(one from {where.get(layer, f'{setting} in the config file')}" in said, said
+
+
+_LAYERS = ("cli", "env", "file")
+
+
+@pytest.mark.parametrize(
+    ("above", "below", "shadowed"),
+    [
+        (TOKEN, USER, "nats_user/nats_password"),
+        (USER, TOKEN, "nats_token"),
+        ({"nats_nkey_file": "{seed}"}, USER, "nats_user/nats_password"),
+        ({"nats_creds_file": "{creds}"}, {"nats_nkey_file": "{seed}"}, "nats_nkey_file"),
+        (TOKEN, {"nats_servers": ["nats://ops:pw@h:4222"]}, "a user:password@ or token@ in nats_servers"),
+        ({"nats_servers": ["nats://tok@h:4222"]}, TOKEN, "nats_token"),
+    ],
+    ids=["token-over-user", "user-over-token", "seed-over-user", "creds-over-seed", "token-over-url", "url-over-token"],
+)
+@pytest.mark.parametrize(("high", "low"), [("cli", "env"), ("cli", "file"), ("env", "file")])
+def test_a_credential_shadows_one_of_another_kind_from_a_lower_layer_saying_so(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    above: dict[str, str | list[str]],
+    below: dict[str, str | list[str]],
+    shadowed: str,
+    high: str,
+    low: str,
+) -> None:
+    """A token in the config file refused `--nats-user ops --nats-password pw` naming --nats-token,
+    which the operator never set (review of 15fec0f, finding 2): flag > environment > config file
+    holds for a credential of another kind as for any setting. The one below is not sent, and that
+    is said at INFO, naming both and where each came from."""
+    (tmp_path / "w.nk").write_text(SEED + "\n")
+    (tmp_path / "u.creds").write_text(_creds(SEED))
+    files = {"{seed}": str(tmp_path / "w.nk"), "{creds}": str(tmp_path / "u.creds")}
+    layers: dict[str, dict[str, str | list[str]]] = {layer: {} for layer in _LAYERS}
+    for layer, given in ((high, above), (low, below)):
+        layers[layer] = {k: files.get(v, v) if isinstance(v, str) else v for k, v in given.items()}
+    env = {f"KVSWITCH_{k.upper()}": v if isinstance(v, str) else ",".join(v) for k, v in layers["env"].items()}
+    with caplog.at_level(logging.INFO, logger="kvswitch.config"):
+        settings = resolve(
+            NatsSettings, cli=layers["cli"], env=env, file=layers["file"], setting_prefix="nats_", file_name="f.yaml"
+        )
+    kept = {k: files.get(v, v) if isinstance(v, str) else v for k, v in above.items()}
+    for key, value in kept.items():
+        assert getattr(settings, key.removeprefix("nats_")) == value
+    opts = settings.connect_options("x")
+    sent: set[str] = {k for k in ("user", "token", "user_credentials", "nkeys_seed") if k in opts}
+    sent |= {"url"} if any("@" in url for url in opts["servers"]) else set()
+    assert len(sent) == 1, opts  # one credential, the one above
+    said = [r.getMessage() for r in caplog.records if r.name == "kvswitch.config"]
+    assert len(said) == 1 and said[0].startswith(f"NATS credential {shadowed} ("), said
+    where = {"cli": "--nats-", "env": "KVSWITCH_NATS_", "file": " in f.yaml"}
+    aside, shadow = said[0].split(" set aside: ")
+    assert where[low] in aside and where[high] in shadow, said
+    assert "s3cret" not in said[0] and "pw" not in said[0], said
+
+
+def test_a_credential_shadowed_by_one_itself_shadowed_stays_aside(tmp_path: Path) -> None:
+    """Layer by layer, as any setting: the environment's user and password set aside the config
+    file's token, and the flag's nkey seed the environment's user and password; the file's token
+    does not come back beside the seed, which it could go with."""
+    env = {"KVSWITCH_NATS_USER": "ops", "KVSWITCH_NATS_PASSWORD": "pw"}
+    settings = resolve(NatsSettings, env=env, file=TOKEN, setting_prefix="nats_")
+    assert (settings.user, settings.token) == ("ops", None)
+    (tmp_path / "w.nk").write_text(SEED + "\n")
+    seed = {"nats_nkey_file": str(tmp_path / "w.nk")}
+    settings = resolve(NatsSettings, cli=seed, env=env, file=TOKEN, setting_prefix="nats_")
+    assert (settings.nkey_file, settings.user, settings.password, settings.token) == (
+        seed["nats_nkey_file"],
+        None,
+        None,
+        None,
+    )
+
+
+@pytest.mark.parametrize("setting", ["nats_token", "nats_user", "nats_password"])
+def test_an_empty_credential_is_refused(setting: str) -> None:
+    """nats-py sends no empty token, user or password: NatsSettings(token='') connected with none, and
+    `--nats-token ''` was still a token beside the config file's user and password, refused naming it."""
+    given = {**USER, setting: ""} if setting != "nats_token" else {setting: ""}
+    with pytest.raises(ConfigError, match=rf"invalid {setting} \(.*\) = .*: must not be empty"):
+        msgspec.convert({k.removeprefix("nats_"): v for k, v in given.items()}, NatsSettings).validate()
+    for layers in ({"cli": given, "file": TOKEN if setting != "nats_token" else USER}, {"env": given}):
+        env = {f"KVSWITCH_{k.upper()}": v for k, v in layers.get("env", {}).items()}
+        with pytest.raises(ConfigError, match=rf"invalid {setting} \(.*\) = .*: must not be empty"):
+            resolve(NatsSettings, cli=layers.get("cli"), env=env, file=layers.get("file"), setting_prefix="nats_")
 
 
 @pytest.mark.parametrize("setting", ["nats_nkey_file", "nats_creds_file"])

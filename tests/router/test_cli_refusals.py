@@ -107,14 +107,38 @@ def test_a_file_key_that_would_set_both_nats_and_etcd_is_refused_without_its_val
     assert "would set" not in str(err.value)
 
 
-def test_a_token_beside_a_user_and_password_is_refused_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_token_beside_a_user_and_password_is_refused_at_startup() -> None:
     """nats-py sent the user and password alone: against a token server the router started and
-    retried 'Authorization Violation' for ever (review, 2026-12-07)."""
-    monkeypatch.setenv("KVSWITCH_NATS_TOKEN", "s3cret")
+    retried 'Authorization Violation' for ever (review, 2026-12-07). Both by flag: neither shadows
+    the other, and the refusal says where each came from."""
     with pytest.raises(ConfigError) as err:
-        cli.build_config(_args("--nats-user", "ops", "--nats-password", "pw"))
+        cli.build_config(_args("--nats-token", "s3cret", "--nats-user", "ops", "--nats-password", "pw"))
     assert str(err.value).startswith("invalid nats_user (--nats-user, KVSWITCH_NATS_USER) = 'ops': give one NATS")
     assert "nats_token (--nats-token, KVSWITCH_NATS_TOKEN)" in str(err.value) and "s3cret" not in str(err.value)
+    assert "(one from --nats-user and --nats-password, the other from --nats-token)" in str(err.value)
+
+
+def test_a_user_and_password_by_flag_set_aside_a_token_from_the_config_file_saying_so(tmp_path: Path) -> None:
+    """A token in the config file refused `--nats-user ops --nats-password pw` naming --nats-token,
+    which the operator never set (review of 15fec0f, finding 2): a flag shadows the file, for a
+    credential of another kind as for any setting, and the process says so at INFO in its log."""
+    path = tmp_path / "router.yaml"
+    path.write_text("nats_token: s3cret-file\nnats_servers: [nats://127.0.0.1:1]\n")
+    given = ("--config", str(path), "--nats-user", "ops", "--nats-password", "pw")
+    opts = cli.build_config(_args(*given)).nats.connect_options("x")
+    assert (opts["user"], opts["password"]) == ("ops", "pw") and "token" not in opts
+    out = subprocess.run(
+        [sys.executable, "-m", "kvswitch", "router", *given, "--tokenizer", "/nonexistent",
+         "--etcd-endpoints", "http://127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    # The tokenizer's refusal comes after the settings resolved, before NATS: the line was said by then.
+    assert out.returncode == 2 and "kvswitch router: invalid tokenizer" in out.stderr, out.stderr
+    assert (
+        f"INFO kvswitch.config: NATS credential nats_token (nats_token in {path}) set aside: nats_user/nats_password "
+        "(--nats-user and --nats-password) shadows it, given above it (flag > environment > config file)"
+    ) in out.stderr, out.stderr
+    assert "s3cret" not in out.stderr
 
 
 @pytest.mark.parametrize("flag", ["--body-timeout-s", "--idle-timeout-s"])
