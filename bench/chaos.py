@@ -42,6 +42,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from bench.flag_numbers import check_non_negative, check_positive
 from bench.results_file import ResultsFile, fresh_path
 from discovery import Discovery, put_config
 from kvswitch.client import Completion, CompletionClient
@@ -456,11 +457,19 @@ def format_table(results: list[ChaosResult]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenarios", default="all", help=f"comma list of: {', '.join(SCENARIOS)} (default all)")
-    parser.add_argument("--rate", type=float, default=6.0, help="steady requests per second over both routers")
-    parser.add_argument("--warmup", type=float, default=6.0, help="seconds of calm load before the fault")
-    parser.add_argument("--window", type=float, default=20.0, help="seconds of load with the fault")
-    parser.add_argument("--settle", type=float, default=8.0, help="seconds of load after healing")
+    parser.add_argument("--rate", type=float, default=6.0, help="steady requests per second over both routers (> 0)")
+    parser.add_argument("--warmup", type=float, default=6.0, help="seconds of calm load before the fault (>= 0)")
+    parser.add_argument("--window", type=float, default=20.0, help="seconds of load with the fault (>= 0)")
+    parser.add_argument("--settle", type=float, default=8.0, help="seconds of load after healing (>= 0)")
     parser.add_argument("--out", default="bench/out", help="directory for the JSON results")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Before a cluster starts: a --rate of 0 divided by zero once one had, and a NaN, infinite or
+    negative number ran for ever (a NaN --warmup slept for ever, an infinite --rate sent with no pause)."""
+    check_positive("--rate", args.rate)
+    for flag, value in (("--warmup", args.warmup), ("--window", args.window), ("--settle", args.settle)):
+        check_non_negative(flag, value)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -468,6 +477,11 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         print(f"kvswitch bench chaos: unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
+        return 2
+    try:
+        _check_numbers(args)
+    except ValueError as exc:
+        print(f"kvswitch bench chaos: {exc}", file=sys.stderr)
         return 2
     path = fresh_path(Path(args.out), "chaos", ".json")
     saved = ResultsFile[ChaosResult](path, indent=2)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
+from bench.flag_numbers import check_non_negative, check_positive, positive_numbers
 from bench.overhead import add_overhead_parser, overhead_main
 from bench.replicas import add_replicas_parser, replicas_main
 from bench.sigterm import sigterm_unwinds
@@ -37,7 +37,7 @@ from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
 from protocol.config import url_problem
 from worker_shim.credit_check import SHORT_BELOW, CreditCheck
 
-__all__ = ["DEMO", "add_arguments", "check_non_negative", "check_out", "check_out_dir", "check_positive", "run"]
+__all__ = ["DEMO", "add_arguments", "check_out", "check_out_dir", "run"]
 
 OUT_DIR = Path("bench/out")
 
@@ -363,18 +363,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wp.set_defaults(owned_flags=owned)
 
 
-def _rates(text: str) -> list[float]:
-    """--rates: comma-separated finite factors > 0, checked before anything runs."""
-    try:
-        rates = [float(r) for r in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--rates: comma-separated numbers, got {text!r}") from None
-    bad = [r for r in rates if not 0 < r < math.inf]
-    if bad:
-        raise ValueError(f"--rates must be finite numbers > 0, got {', '.join(f'{r:g}' for r in bad)}")
-    return rates
-
-
 def check_out(flag: str, out: Path) -> Path:
     """A file written after the run: a place it cannot go is refused before, naming `flag`."""
     try:
@@ -404,18 +392,6 @@ def check_out_dir(flag: str, out_dir: Path) -> None:
         raise ValueError(f"{flag} {out_dir}: cannot create it: {exc.strerror or exc}") from None
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {out_dir}: not writable")
-
-
-def check_positive(flag: str, value: float) -> None:
-    """ValueError naming `flag` unless `value` is a finite number > 0, before anything runs."""
-    if not 0 < value < math.inf:  # NaN fails too
-        raise ValueError(f"{flag} must be > 0 and finite, got {value:g}")
-
-
-def check_non_negative(flag: str, value: float) -> None:
-    """ValueError naming `flag` unless `value` is a finite number >= 0, before anything runs."""
-    if not 0 <= value < math.inf:  # NaN fails too
-        raise ValueError(f"{flag} must be >= 0 and finite, got {value:g}")
 
 
 def _check_slo(args: argparse.Namespace) -> None:
@@ -606,7 +582,7 @@ def _compare(args: argparse.Namespace) -> int:
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    rates = _rates(args.rates)
+    rates = positive_numbers("--rates", args.rates)
     known = {**CONFIGURATIONS, **PEER_CONFIGURATIONS}
     if args.configs == "all":
         names = [*CONFIGURATIONS] if virtual else [*CONFIGURATIONS, *PEER_CONFIGURATIONS]
@@ -707,7 +683,7 @@ def _sweep(args: argparse.Namespace) -> int:
         raise ValueError(f"--policy {args.policy} must be one of --configs ({', '.join(names)})")
     if args.scale_tokens is None:
         args.scale_tokens = 1.0
-    rates = _rates(args.rates)
+    rates = positive_numbers("--rates", args.rates)
     fleets = parse_fleets(args.fleets)
     # Aggregated configurations run P + D engines, so 0P+1D is one aggregated engine for them.
     bare = [f for f in fleets if f.prefill < 1]

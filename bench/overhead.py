@@ -67,6 +67,7 @@ import numpy as np
 
 from bench.aiperf_client import BENCH_VENV, AiperfRun, find_aiperf
 from bench.cpu import CpuSampler, CpuWindow
+from bench.flag_numbers import check_positive, positive_numbers
 from bench.flame import (
     ROUTER_RULES,
     SAMPLE_HZ,
@@ -667,9 +668,11 @@ def _bench_venv_on_path() -> None:
 def overhead_main(args: argparse.Namespace) -> int:
     _bench_venv_on_path()
     concurrencies = [int(c) for c in _floats(args.concurrency)]
-    rates = _floats(args.rates)
-    if args.repeats < 1 or any(c < 1 for c in concurrencies) or any(r <= 0 for r in rates):
-        raise ValueError("--repeats and --concurrency must be >= 1, --rates > 0")
+    rates = positive_numbers("--rates", args.rates)  # a NaN or infinite rate passed `<= 0`
+    if args.repeats < 1 or any(c < 1 for c in concurrencies):
+        raise ValueError("--repeats and --concurrency must be >= 1")
+    check_positive("--speedup", args.speedup)
+    check_positive("--seconds", args.seconds)
     aiperf = None if args.no_aiperf else find_aiperf(args.aiperf)
     if aiperf is None and not args.no_aiperf:
         raise ValueError("aiperf is not installed: `make bench-deps` (or --aiperf PATH, or --no-aiperf)")

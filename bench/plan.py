@@ -33,8 +33,9 @@ from pathlib import Path
 
 import msgspec
 
-from bench.cli import check_out, check_positive
+from bench.cli import check_out
 from bench.compare import CONFIGURATIONS, Configuration
+from bench.flag_numbers import check_positive
 from bench.process_pool import process_pool
 from bench.sigterm import sigterm_unwinds
 from bench.summary import Slo, Summary, summarize

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cpu import CpuSampler, pin_process
+from bench.flag_numbers import check_positive, positive_numbers
 from bench.flame import ROUTER_RULES, Recording, breakdown, find_py_spy, format_breakdown, read_stacks
 from bench.overhead import (
     ROUTER_ARGS,
@@ -304,8 +305,11 @@ def replicas_main(args: argparse.Namespace) -> int:
     ns = [int(x) for x in args.replicas.split(",")]
     if ns[0] != 1 or any(n < 1 for n in ns):
         raise ValueError(f"--replicas must start with 1 (it measures c_own), got {args.replicas}")
+    rates = positive_numbers("--rates", args.rates)
+    for flag, value in (("--check-rate", args.check_rate), ("--seconds", args.seconds), ("--speedup", args.speedup)):
+        check_positive(flag, value)
     spec = ReplicaSpec(
-        rates=[float(r) for r in args.rates.split(",")], check_rate=args.check_rate, replicas=ns,
+        rates=rates, check_rate=args.check_rate, replicas=ns,
         seconds=args.seconds, speedup=args.speedup, client_isl=args.client_isl, client_osl=args.client_osl,
         core=args.core, log_dir=args.keep_logs,
         py_spy=find_py_spy(args.py_spy) if args.profile is not None else None,

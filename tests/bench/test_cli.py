@@ -225,6 +225,50 @@ def test_a_number_read_as_no_limit_or_as_everything_is_refused_before_anything_r
     assert message in err and err.count("\n") == 1, err
 
 
+OVERHEAD = ["overhead", "--no-aiperf", "--no-peers"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # n / rate: a ZeroDivisionError traceback once a cluster had started
+        (["chaos", "--rate", "0"], "--rate must be > 0 and finite, got 0"),
+        (["chaos", "--rate", "nan"], "--rate must be > 0 and finite, got nan"),
+        (["chaos", "--rate", "inf"], "--rate must be > 0 and finite, got inf"),
+        (["chaos", "--warmup", "nan"], "--warmup must be >= 0 and finite, got nan"),  # slept for ever
+        (["chaos", "--window", "-1"], "--window must be >= 0 and finite, got -1"),
+        (["chaos", "--settle", "inf"], "--settle must be >= 0 and finite, got inf"),
+        ([*OVERHEAD, "--speedup", "nan"], "--speedup must be > 0 and finite, got nan"),
+        ([*OVERHEAD, "--seconds", "inf"], "--seconds must be > 0 and finite, got inf"),
+        ([*OVERHEAD, "--rates", "50,nan"], "--rates must be finite numbers > 0, got nan"),  # passed `<= 0`
+        ([*OVERHEAD, "--rates", "inf"], "--rates must be finite numbers > 0, got inf"),
+        (["replicas", "--check-rate", "0"], "--check-rate must be > 0 and finite, got 0"),
+        (["replicas", "--seconds", "nan"], "--seconds must be > 0 and finite, got nan"),
+        (["replicas", "--speedup", "-1"], "--speedup must be > 0 and finite, got -1"),
+        (["replicas", "--rates", "10,inf"], "--rates must be finite numbers > 0, got inf"),
+        (["replicas", "--rates", "10,x"], "--rates: comma-separated numbers, got '10,x'"),
+    ],
+)
+def test_a_chaos_overhead_or_replicas_number_out_of_range_is_refused_before_anything_starts(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """None was checked (review of 5767cb2): `chaos --rate 0` started a cluster and died dividing by
+    zero, a NaN or infinite number ran for ever or sent every request at once."""
+    import bench.chaos
+    import bench.overhead
+    import bench.replicas
+
+    monkeypatch.setattr(bench.chaos, "LocalCluster", _not_run)
+    monkeypatch.setattr(bench.overhead, "run_overhead", _not_run)
+    monkeypatch.setattr(bench.replicas, "measure_ceiling", _not_run)
+    monkeypatch.setenv("PATH", os.environ["PATH"])  # overhead puts .venv-bench/bin on it
+    monkeypatch.chdir(tmp_path)  # the default bench/out, had it run
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvswitch bench {argv[0]}: {message}\n", err
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(
     ("argv", "runs", "message"),
     [
