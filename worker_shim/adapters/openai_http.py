@@ -16,7 +16,8 @@ Two kinds of leg:
   `SamplingParams`, its ids back per choice in `token_ids`; an engine that sends none is a
   protocol error, never silently empty output.
 
-A streamed answer is whole only at its `[DONE]`: a clean EOF before it is a 502 `engine_protocol`.
+A streamed answer is whole only at its `[DONE]`: a clean EOF before it is a 502 `engine_protocol`,
+a connection lost after the 200 a `StreamCut` (503 `engine_unavailable`, as one lost before it).
 An engine's 429 keeps its Retry-After (EngineError.retry_after_s). Cancelling the coroutine
 closes the connection, which these engines treat as an abort.
 """
@@ -42,6 +43,7 @@ __all__ = [
     "ENDPOINT_PATHS",
     "UTILITY_TIMEOUT",
     "Result",
+    "StreamCut",
     "error_from",
     "model_cards",
     "pass_through_body",
@@ -269,6 +271,15 @@ def _int_field(body: dict[str, Any], name: str, default: _T, *, nullable: bool) 
     if value is None:
         raise _Refused(name)
     return value
+
+
+class StreamCut(EngineError):
+    """A streamed answer whose connection failed after the engine's 200: cut mid-answer. A 503
+    `engine_unavailable` as any lost connection; an adapter may know better (TensorRT-LLM's
+    trtllm-serve cuts a streamed request that failed in its engine so, its 200 already sent)."""
+
+    def __init__(self, url: str, exc: BaseException) -> None:
+        super().__init__(503, "engine_unavailable", f"{url}: {exc!r}")
 
 
 class Result:
@@ -499,20 +510,23 @@ async def post_completion(
                     result.body = raw
                 return result
             done = False
-            async with contextlib.aclosing(_line_batches(resp.content)) as batches:
-                async for lines in batches:
-                    seen = len(result.token_ids)
-                    count, events, end = _fold_lines(result, lines, pass_through=pass_through)
-                    if on_output is not None:  # what came before a failure goes out first
-                        if pass_through and events:
-                            await on_output(count, events, [])
-                        elif not pass_through and count:
-                            await on_output(count, [], result.token_ids[seen:])
-                    if isinstance(end, Exception):
-                        raise end
-                    if end:
-                        done = True
-                        break
+            try:
+                async with contextlib.aclosing(_line_batches(resp.content)) as batches:
+                    async for lines in batches:
+                        seen = len(result.token_ids)
+                        count, events, end = _fold_lines(result, lines, pass_through=pass_through)
+                        if on_output is not None:  # what came before a failure goes out first
+                            if pass_through and events:
+                                await on_output(count, events, [])
+                            elif not pass_through and count:
+                                await on_output(count, [], result.token_ids[seen:])
+                        if isinstance(end, Exception):
+                            raise end
+                        if end:
+                            done = True
+                            break
+            except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+                raise StreamCut(url, exc) from exc
             if not done:
                 # vLLM, SGLang and TensorRT-LLM end every stream they finish with [DONE] (after an
                 # error event too; one that fails otherwise drops the connection): a clean EOF

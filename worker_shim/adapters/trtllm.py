@@ -32,7 +32,14 @@
   the prefill leg sends `request_type: context_only` with max_tokens 1 (a chat leg under the one
   name of the two its client used: trtllm-serve refuses both together), non-streaming, and returns
   the choice's `disaggregated_params`; the decode leg sends them back with `request_type:
-  generation_only`; the bypass and agg legs send `context_and_generation`.
+  generation_only`; the bypass and agg legs send `context_and_generation`. A context leg that
+  ended other than "length" or "not_finished" was finished by its context worker, with no KV to
+  transfer (`prefill_stopped` for "stop": its first token was an EOS or a stop); a handle without
+  an integer `ctx_request_id` is a `bad_transfer_handle` (check_transfer_handle).
+- Failures: trtllm-serve answers its engine's own failure of a request with 400 (a failed KV pull
+  too), or cuts a streamed answer whose 200 went. Those are 500 `engine_error` here (_leg_failure),
+  as vLLM's are, so that a failed pull reaches the routers' transfer health; a 400 that may be the
+  client's own stays its refusal.
 - Abort: closing the HTTP connection.
 """
 
@@ -47,7 +54,7 @@ from typing import Any, ClassVar
 import aiohttp
 import msgspec
 
-from protocol.messages import ENDPOINT_CHAT
+from protocol.messages import BAD_TRANSFER_HANDLE, ENDPOINT_CHAT, PREFILL_STOPPED, lax_int
 from worker_shim.adapters.base import (
     EngineCold,
     EngineError,
@@ -60,7 +67,7 @@ from worker_shim.adapters.base import (
     engine_limit,
 )
 from worker_shim.adapters.http_engine import PROBE_TIMEOUT, HttpEngineAdapter
-from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
+from worker_shim.adapters.openai_http import ENDPOINT_PATHS, StreamCut, pass_through_body, post_completion
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker, attention_dp_error
 from worker_shim.adapters.vllm import completion_body
 from worker_shim.config import ShimConfig
@@ -68,7 +75,7 @@ from worker_shim.engine_events import EngineBatch, EventSink
 from worker_shim.engine_kind import check_engine_kind
 from worker_shim.prom_text import as_count
 
-__all__ = ["POLL_S", "TrtllmAdapter", "disagg_body", "limits_from_stats", "load_from_stats"]
+__all__ = ["POLL_S", "TrtllmAdapter", "check_transfer_handle", "disagg_body", "limits_from_stats", "load_from_stats"]
 
 POLL_S = 0.05
 # trtllm-serve revisions that answer with get_kv_cache_events_async(2) hold the poll until 2 s pass
@@ -181,6 +188,106 @@ def disagg_body(leg: LegRequest) -> dict[str, Any]:
     else:
         body["disaggregated_params"] = {"request_type": "context_and_generation"}
     return body
+
+
+# A context-only leg ends so while its KV waits for a generation leg; with any other finish_reason
+# its context worker finished the request itself (openai_disagg_service.py `_need_gen` sends no
+# generation leg then).
+_CONTEXT_PENDING = ("length", "not_finished")
+_CONTEXT_STOPPED = ("stop", "tool_calls")  # the request's own first token ended it
+# trtllm-serve answers a request its engine failed with 400 (openai_server.py: `except Exception as
+# e: return self.create_error_response(str(e))`, BadRequestError by default); a failed KV pull
+# (py_executor `_check_cache_transfer_errors`) and a failed step of the C++ executor say so.
+_ENGINE_FAILURES = ("Error in kv cache transfer", "Encountered an error in ")
+# Limits a generation-only leg meets at the client's max_tokens, where its context leg asked for 1.
+_LENGTH_LIMITS = ("max_seq_len", "max_num_tokens")
+
+
+def check_transfer_handle(transfer: dict[str, Any]) -> None:
+    """EngineError 502 `bad_transfer_handle` unless `transfer`, a context-only leg's
+    disaggregated_params, names the context request to pull the KV from: an integer
+    `ctx_request_id`. A context worker that finished the request itself returns null there (no KV
+    to transfer: NVIDIA/TensorRT-LLM PR #15027), and a generation worker given it pulls nothing.
+    Other keys are the engine's own."""
+    rid = transfer.get("ctx_request_id")
+    if type(rid) is not int:
+        held = f"ctx_request_id {_json(rid)}" if "ctx_request_id" in transfer else "no ctx_request_id"
+        raise EngineError(
+            502,
+            BAD_TRANSFER_HANDLE,
+            f"the context-only leg returned disaggregated_params with {held}, not an integer (received "
+            f"{_json(transfer)[:300]}): a generation worker given them has no context request to pull the KV from",
+        )
+
+
+def _json(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def _context_finished(reason: str | None) -> EngineError:
+    """The error of a context-only leg that ended with `reason`, not one that leaves KV to pull."""
+    finished = "its context worker finished the request itself and holds no KV to transfer"
+    if reason in _CONTEXT_STOPPED:
+        # the request's token (an EOS or a stop), not the engine: not held against the worker
+        return EngineError(502, PREFILL_STOPPED, f"the context-only leg ended {reason!r} on its one token: {finished}")
+    return EngineError(
+        502, "engine_protocol", f"the context-only leg ended with finish_reason {_json(reason)}, not length: {finished}"
+    )
+
+
+def _leg_failure(leg: LegRequest, exc: EngineError, answered: bool) -> EngineError:
+    """`exc`, a failed leg's error, as routers must read it (`answered`: the engine sent output for
+    the leg). A 500 `engine_error` where trtllm-serve's 400 or cut stream is its engine's failure,
+    as vLLM answers one, so that a generation-only leg's (most likely its KV pull) reaches the
+    routers' transfer health (router.dispatch: a transfer-fed leg's engine_error before any
+    output) and the shim's failed pulls: a 4xx naming the engine's failure on any leg; on a
+    generation-only leg, a stream cut before any output (trtllm-serve's answer to a streamed
+    request that failed after its 200), and a 400 to the body its context leg's engine took, but
+    one that may be the client's own (_maybe_the_clients)."""
+    if 400 <= exc.code < 500 and any(words in exc.message for words in _ENGINE_FAILURES):
+        return _engine_failed(exc, f"trtllm-serve answered {exc.code}: its engine failed the request")
+    if leg.transfer is None or answered:
+        return exc
+    if isinstance(exc, StreamCut):
+        return _engine_failed(
+            exc, "a generation-only leg's stream cut before any output: its engine failed it, most likely its KV pull"
+        )
+    if exc.code == 400 and not _maybe_the_clients(leg, exc):
+        return _engine_failed(
+            exc,
+            "trtllm-serve answered 400 to a generation-only leg whose context leg it took: its engine failed it, "
+            "most likely its KV pull",
+        )
+    return exc
+
+
+def _maybe_the_clients(leg: LegRequest, exc: EngineError) -> bool:
+    """A generation-only leg's 400 that may be the client's own: one its context leg, which asked the
+    engine for one token of one sequence, did not meet. trtllm-serve's request validation (its
+    `{"error": ...}` answer, pydantic's "validation error"): the fields the context leg sent
+    otherwise (n, max_tokens, min_tokens, stream); a sequence length limit (the client's
+    max_tokens); or any refusal of a request for several sequences (n, best_of and beam width are
+    checked at the client's n)."""
+    if "validation error" in exc.message or _validation_answer(exc.body):
+        return True
+    if any(limit in exc.message for limit in _LENGTH_LIMITS):
+        return True
+    n = lax_int(leg.params.get("n")) if leg.endpoint else None  # a token-id leg sends no n
+    return n is not None and n > 1
+
+
+def _validation_answer(body: bytes) -> bool:
+    """`body` is trtllm-serve's answer to a request its validation refused (openai_server.py's
+    RequestValidationError handler: `{"error": str(exc)}`), not an ErrorResponse."""
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(data, dict) and data.keys() == {"error"} and isinstance(data["error"], str)
+
+
+def _engine_failed(exc: EngineError, why: str) -> EngineError:
+    return EngineError(500, "engine_error", f"{exc.message} ({why})")
 
 
 class TrtllmAdapter(HttpEngineAdapter):
@@ -360,15 +467,31 @@ class TrtllmAdapter(HttpEngineAdapter):
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.engine_id, **leg.headers}
         path = ENDPOINT_PATHS[leg.endpoint] if leg.endpoint else "/v1/completions"
         request = disagg_body(leg)
-        with self.watch_pull(leg, on_output) as output:
-            result = await post_completion(
-                self.session, self.base + path, request, headers, output, pass_through=bool(leg.endpoint)
-            )
+        answered = False
+
+        async def output(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
+            nonlocal answered
+            answered = True  # trtllm-serve streams nothing, a chat's role chunk neither, before the pull is done
+            await on_output(tokens, events, token_ids)
+
+        try:
+            with self.watch_pull(leg, output) as watched:
+                result = await post_completion(
+                    self.session, self.base + path, request, headers, watched, pass_through=bool(leg.endpoint)
+                )
+        except EngineError as exc:
+            failure = _leg_failure(leg, exc, answered)
+            if failure is exc:
+                raise
+            raise failure from exc
         transfer = None
         if leg.prefill_only:
+            if result.finish_reason not in _CONTEXT_PENDING:
+                raise _context_finished(result.finish_reason)
             choices = result.last.get("choices") or [{}]
             transfer = choices[0].get("disaggregated_params") if isinstance(choices[0], dict) else None
             if not isinstance(transfer, dict):
                 raise EngineError(502, "engine_protocol", "the context-only leg returned no disaggregated_params")
+            check_transfer_handle(transfer)
         body = b"" if leg.prefill_only else result.body
         return LegOutcome(result.finish_reason, result.usage, transfer, result.token_ids, body)
