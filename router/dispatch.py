@@ -992,9 +992,12 @@ class Dispatcher:
         )
         left = job.deadline - time.monotonic()
         until = time.monotonic() + min(settings.prefill_timeout_s, left)
-        # Its decode leg is this one with the handle in `disagg` (_decode): room kept for that
+        # Its decode leg is this one with the handle in `disagg` (_decode): room kept for that.
+        # It goes with the request's deadline, not `until`: once its handle came (SGLang), its
+        # engine waits on the decode peer, and the time left is the pair's; before, this router's
+        # own timer ends it at `until` and cancels it on its worker (closed).
         keep = transfer_handle_bound(plan.prefill.info, len(req.token_ids), plan.prefill.kv_total_blocks)
-        opened = await self._open(worker, "prefill", leg_req, until, keep=keep + _DECODE_LEG_EXTRA)
+        opened = await self._open(worker, "prefill", leg_req, job.deadline, keep=keep + _DECODE_LEG_EXTRA)
         silence = 3 * settings.stream_heartbeat_s
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -1011,7 +1014,7 @@ class Dispatcher:
                         watch = PrefillWatch(
                             leg,
                             stack.pop_all(),
-                            until=until,
+                            until=job.deadline,
                             silence_s=silence,
                             left_s=left,
                             on_done=lambda: self._prefill_worked(job, plan),

@@ -4,7 +4,7 @@ An SGLang prefill engine holds its request until its decode peer connects, so th
 run while the prefill does: its shim sends the handle in a non-final chunk, and the leg's final
 chunk then says how the engine's prefill ended. The dispatcher sends the decode leg with the
 handle at once, and this watch reads the prefill leg on beside it until its final chunk, its time
-(`until`: the prefill timeout, or the request's deadline) or three silent heartbeats:
+(`until`: the request's deadline, as its engine now waits on its decode peer) or three silent heartbeats:
 
 - ended well: `on_done()` (its worker worked, its booking settles);
 - failed (an error chunk, the engine's own abort, silence, out of time) while the decode leg it

@@ -1051,14 +1051,16 @@ class RequestService:
     async def _untold(self, req: GenerateRequest, engine: asyncio.Task[LegOutcome]) -> LegOutcome | None:
         """The engine's outcome of a prefill whose handle went in the final chunk already, to a
         router that did not ask for it early (one of before 2026-12-07): the leg stays in flight
-        until the engine is done, within its deadline; None when the engine failed, which that
-        router cannot be told (logged)."""
-        remaining = None if req.deadline is None else req.deadline - time.time()
+        until the engine is done; None when the engine failed, which that router cannot be told
+        (logged). Not bound by the leg's deadline: that router sets it to its prefill timeout, but
+        the engine now waits on the decode leg, whose deadline (the request's) this shim never sees;
+        aborting it there failed a slow pair's request that would have been served. The engine's
+        own P/D timeouts (SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT and _WAITING_TIMEOUT)
+        bound it, and drain aborts it past its grace."""
         try:
-            async with asyncio.timeout(remaining):
-                return await engine
-        except (EngineError, TimeoutError) as exc:
-            why = "its deadline passed" if isinstance(exc, TimeoutError) else str(exc)
+            return await engine
+        except EngineError as exc:
+            why = str(exc)
             log.warning(
                 "request %s: the engine's prefill failed after its transfer handle went (%s); its router predates "
                 "GenerateRequest.early_transfer and cannot be told, so its decode leg waits for KV that never comes",

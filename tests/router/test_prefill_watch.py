@@ -175,11 +175,12 @@ async def test_a_prefill_refused_after_its_handle_is_the_decode_engines_to_serve
     assert d.refusals_overruled == {"p1": 1} and verdicts == []
 
 
-async def test_a_prefill_out_of_time_after_its_handle_is_not_put_down_to_its_worker(
+async def test_a_prefill_past_prefill_timeout_after_its_handle_runs_on_to_the_requests_deadline(
     nc: Client, ns: str, router: tuple[Dispatcher, Books, Verdicts]
 ) -> None:
-    """Its engine waits on its decode peer too: the time is the pair's. The request still falls
-    back at prefill_timeout_s."""
+    """Its engine waits on its decode peer too: the time is the pair's, the request's to its
+    deadline, not prefill_timeout_s. Until 2026-12-07 (20d8bb4) it was called failed there, its
+    decode leg cut and a bypass sent, which an SGLang decode server cannot serve."""
     d, _, verdicts = router
     pair = Pair(nc, ns, None)
     await pair.start()
@@ -189,14 +190,17 @@ async def test_a_prefill_out_of_time_after_its_handle_is_not_put_down_to_its_wor
         for seq in range(1, 100):
             await asyncio.sleep(HB)
             await chunk(nc, msg, req, seq)
+            if seq == 5 * PREFILL_TIMEOUT_S / HB // 4:  # past prefill_timeout_s: its KV went
+                pair.kv.set()
+                pair.prefill_ended.set()
 
     pair.prefill = Worker(nc, ns, "p2")
     await pair.prefill.serve("prefill", heartbeats_after_the_handle)
     j = job("w1", prefill="p2")
     chunks = await asyncio.wait_for(collect(d, j), 3 * PREFILL_TIMEOUT_S)
     assert [c.token_ids for c in chunks] == [[5], [6]]
-    assert pair.cancelled == ["r1"] and j.outcome is Outcome.FALLBACK_PREFILL_FAILED
-    assert verdicts == []  # no fault: the worker is not left out of prefill legs
+    assert pair.cancelled == [] and j.outcome is Outcome.DECLINED_POLICY and d.fallbacks == 0
+    assert verdicts == []
 
 
 async def test_a_prefill_that_fails_after_the_decode_leg_streams_changes_nothing(

@@ -144,3 +144,32 @@ async def test_a_served_remote_prefill_sends_the_decode_leg_while_the_prefill_wa
     assert [t for c in chunks for t in c.token_ids] == [11, 12, 13]
     assert (job.outcome, job.path, pd.router.fallbacks) == (Outcome.DECLINED_POLICY, Path.REMOTE, 0)
     assert ("prefill_done", "r1#1", "p1") in pd.books.log
+
+
+async def test_a_prefill_slower_than_prefill_timeout_after_its_handle_is_served(nats_url: str, ns: str) -> None:
+    """The review's r3: an SGLang prefill whose handle came, then took longer than prefill_timeout_s
+    (its decode peer slow to take the request). Its time is the pair's, to the request's deadline:
+    until 2026-12-07 (20d8bb4) the router called it failed at prefill_timeout_s, cut the decode leg
+    and sent a bypass an SGLang decode server cannot serve, and the prefill shim aborted the
+    engine's prefill at that deadline too: a 504 at the client's deadline for a prefill that worked."""
+    async with AsyncExitStack() as stack:
+        prefill = await _worker(stack, nats_url, ns, "prefill", "p1")
+        decode = await _worker(stack, nats_url, ns, "decode", "w1")
+        nc = await nats.connect(nats_url)
+        stack.push_async_callback(nc.close)
+        books = Books()
+        settings = RouterSettings(stream_heartbeat_s=HB, prefill_timeout_s=0.5)
+        router = Dispatcher(nc, ns, books, settings=lambda: settings)
+        await router.start()
+        stack.push_async_callback(router.stop)
+        job = _job(100)
+        got = asyncio.ensure_future(collect(router, job))
+        await wait_for(lambda: "r1" in decode.engine.held and "r1" in prefill.engine.held, 5, what="both legs")
+        await asyncio.sleep(1.0)  # twice prefill_timeout_s, heartbeats going on
+        assert "r1" in prefill.engine.held and not prefill.engine.aborted and not decode.engine.aborted
+        prefill.engine.answer("r1")  # its KV went
+        decode.engine.answer("r1", tokens=2)
+        chunks = await asyncio.wait_for(got, 5)
+        assert [t for c in chunks for t in c.token_ids] == [11, 12]
+        assert (job.outcome, job.path, router.fallbacks) == (Outcome.DECLINED_POLICY, Path.REMOTE, 0)
+        assert len(decode.engine.got) == 1  # no bypass leg

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -175,3 +176,18 @@ async def test_drain_past_its_grace_aborts_the_engines_prefills(prefill: Prefill
     for rid in ("r1", "r2"):
         last = await p.col.final(rid)
         assert last.error is not None and last.error.kind == "shutdown"
+
+
+async def test_an_old_routers_prefill_runs_past_its_legs_deadline_once_its_handle_went(prefill: Prefill) -> None:
+    """The review's r3 with a router of before 2026-12-07: its prefill leg's deadline is its prefill
+    timeout, but once the handle went the engine waits on the decode leg, whose deadline is the
+    request's. Until then (20d8bb4) the shim aborted the engine's prefill at the leg's deadline, and
+    the decode engine waited for KV that never came."""
+    p = prefill
+    await p.col.send(p.subject, gen("r1", PROMPT, deadline=time.time() + 0.5))
+    assert (await p.col.final("r1", 5)).transfer is not None
+    await _held(p, "r1")
+    await asyncio.sleep(1.0)  # past the leg's deadline
+    assert "r1" in p.engine.held and not p.engine.aborted and "r1" in p.svc.inflight
+    p.engine.answer("r1")
+    await wait_for(lambda: not p.svc.inflight, 5, what="the leg to end with its engine")
