@@ -480,6 +480,11 @@ class WorkerInfo(_Msg, kw_only=True):
     # cached prefix is reused only up to where the window is cached too: the shim publishes those
     # ends as `protocol.hashing.endpoint_key`s, and a router matches such a worker up to one.
     sliding_window: int = 0
+    # False when its engine cannot prefill a request on its own, so a decode leg without a transfer
+    # handle (a bypass) would wait for KV that never comes: an SGLang decode server
+    # (--disaggregation-mode decode) waits for a prefill peer. A router plans no bypass there and
+    # never falls back to one. A record without it (a shim of before 2026-12-07) reads as True.
+    local_prefill: bool = True
 
 
 def serving(infos: Collection[WorkerInfo], name: str) -> list[WorkerInfo]:

@@ -55,6 +55,10 @@ __all__ = ["Disaggregator", "Learns", "RoutePlan"]
 
 log = logging.getLogger(__name__)
 
+# A request of one of these outcomes takes no transfer handle: a decode worker that cannot prefill
+# locally cannot serve it at all
+_NO_HANDLE_SERVES = frozenset({Outcome.BYPASS_SEQUENCES, Outcome.BYPASS_PROMPT_LOGPROBS, Outcome.BYPASS_BEAM_SEARCH})
+
 
 @dataclass(slots=True)
 class RoutePlan:
@@ -107,6 +111,7 @@ class Disaggregator:
         self.selector = selector or Selector()
         self._timer = timer
         self.transfers = transfers or TransferHealth()
+        self._no_local_said: set[str] = set()  # decode workers whose overridden bypasses were said
         self.counts: Counter[Outcome] = Counter()
         self._unpaired: set[str] = set()  # models said to have no prefill worker while one was asked for
         self._install(settings, make_policy(settings.conditional, settings))
@@ -134,6 +139,15 @@ class Disaggregator:
         self.record(plan.outcome)
         if plan.path is Path.REMOTE and self._unpaired:
             self._unpaired.discard(plan.ctx.model)  # it has one again: a later loss is said anew
+        if plan.outcome is Outcome.REMOTE_NO_LOCAL_PREFILL and plan.decode.worker not in self._no_local_said:
+            self._no_local_said.add(plan.decode.worker)
+            log.info(
+                "decode worker %s cannot prefill locally (its registration's local_prefill is false: an SGLang "
+                "decode server): the bypasses planned for it prefill remotely instead (%s; said once per worker, "
+                "counted as outcome remote_no_local_prefill)",
+                plan.decode.worker,
+                plan.reason,
+            )
         if plan.path is Path.REMOTE and plan.prefill is not None and self.transfers.any:
             self.transfers.probing(plan.decode.worker, plan.prefill.worker)
 
@@ -223,7 +237,60 @@ class Disaggregator:
     ) -> RoutePlan | None:
         """None when no decode/agg worker (outside `exclude`) can take the request. `prefill_full`: the
         prefill workers the planner left out of `ctx.prefill_pool` for room; `prefill_failing`: those
-        it left out for failing their prefill legs (router.eligibility)."""
+        it left out for failing their prefill legs (router.eligibility).
+
+        A decode worker that cannot prefill locally (WorkerInfo.local_prefill false: an SGLang decode
+        server waits for a prefill peer's KV) is planned no bypass: one the policy or a rule chose
+        goes remote on the best prefill worker of its engine, even a full or failing one
+        (`remote_no_local_prefill`); a request no transfer handle serves (n > 1, prompt logprobs,
+        beam search), or with no prefill worker of its engine, goes to the next decode worker."""
+        while True:
+            plan = self._plan(ctx, exclude, prefill_full, prefill_failing)
+            if plan is None or plan.path is Path.REMOTE or plan.decode.info.role != "decode":
+                return plan
+            if plan.decode.info.local_prefill:
+                return plan
+            remote = self._no_local_prefill(ctx, plan, exclude, prefill_full, prefill_failing)
+            if remote is not None:
+                return remote
+            exclude = exclude | {plan.decode.worker}
+
+    def _no_local_prefill(
+        self,
+        ctx: RequestContext,
+        plan: RoutePlan,
+        exclude: frozenset[str],
+        prefill_full: Sequence[Candidate],
+        prefill_failing: Sequence[Candidate],
+    ) -> RoutePlan | None:
+        """`plan`, a bypass on a decode worker that cannot prefill locally, made remote; None where
+        no remote prefill can serve the request there."""
+        d = plan.decode
+        if plan.outcome in _NO_HANDLE_SERVES:
+            return None
+        engine = d.info.engine
+        pool = [
+            c
+            for c in (*ctx.prefill_pool, *prefill_full, *prefill_failing)
+            if c.worker not in exclude and c.info.engine == engine
+        ]
+        ranked = self.selector.rank(ctx, pool, self.settings, "prefill")
+        if not ranked:
+            return None
+        ctx.decode, ctx.prefill = d, ranked[0]
+        p = ranked[0].worker
+        reason = f"{d.worker} cannot prefill locally, so not {plan.outcome} ({plan.reason}): {p} prefills"
+        return RoutePlan(
+            ctx, d, ranked[0], Path.REMOTE, Outcome.REMOTE_NO_LOCAL_PREFILL, reason, plan.decode_ranked, ranked
+        )
+
+    def _plan(
+        self,
+        ctx: RequestContext,
+        exclude: frozenset[str],
+        prefill_full: Sequence[Candidate],
+        prefill_failing: Sequence[Candidate],
+    ) -> RoutePlan | None:
         s = self.settings
         decode_ranked = self.selector.rank(ctx, [c for c in ctx.decode_pool if c.worker not in exclude], s)
         if not decode_ranked:

@@ -143,6 +143,9 @@ HANDLE_TOO_LARGE = "handle_too_large"
 # A leg not sent: its request's deadline had passed (a stall of this router's loop, a retry or
 # fallback begun at the deadline), where its shim would answer 504 at once, a round trip later
 DEADLINE_PASSED = "deadline_passed"
+# A remote prefill failed for a decode worker that cannot prefill locally (WorkerInfo.local_prefill):
+# retried on another prefill worker, else the client's 503
+NO_LOCAL_PREFILL = "no_local_prefill"
 # What a decode leg may take beyond its prefill leg besides the handle: its own max_tokens (the
 # prefill leg's is 1), with room to spare
 _DECODE_LEG_EXTRA = 64
@@ -768,7 +771,7 @@ class Dispatcher:
                 try:
                     prefilled = await self._prefill(job, plan)
                 except LegError as exc:
-                    if exc.kind != HANDLE_TOO_LARGE:
+                    if exc.kind != HANDLE_TOO_LARGE or not plan.decode.info.local_prefill:
                         raise
                     self._handle_too_large(job, plan, exc)  # decided before the prefill leg went out
                 else:
@@ -805,7 +808,8 @@ class Dispatcher:
         except LegError as exc:
             if watch is not None:
                 await watch.close()
-            if job.transfer is not None and job.first_token_at is None and exc.kind == PAYLOAD_TOO_LARGE:
+            local = plan.decode.info.local_prefill  # else no bypass: the engine waits for a peer's KV
+            if job.transfer is not None and job.first_token_at is None and exc.kind == PAYLOAD_TOO_LARGE and local:
                 # Refused before it was sent: a handle larger than its bound. The bypass leg, no
                 # larger than the prefill leg that went, carries the prompt.
                 job.drop_held()
@@ -822,7 +826,7 @@ class Dispatcher:
             # paying for another remote prefill.
             prefill = self._prefilled_on(job.transfer, plan)
             self._on_transfer(plan.decode.worker, prefill, False)
-            if time_up(job.deadline):
+            if time_up(job.deadline) or not local:
                 raise  # no time for the fallback's leg: the request ends with this one's error
             log.warning(
                 "request %s: decode worker %s failed to load the KV prefilled on %s (%s); prefilling it there",
@@ -1025,6 +1029,21 @@ class Dispatcher:
             self._prefill_failed(job, plan, exc, left)
             return None
 
+    def _no_local_prefill(self, job: Job, plan: RoutePlan, exc: LegError) -> LegError:
+        """The error that ends an attempt whose remote prefill failed (`exc`) for a decode worker that
+        cannot prefill locally (WorkerInfo.local_prefill false: an SGLang decode server, where a
+        bypass leg would wait for KV that never comes, to the client's deadline). Retryable: run()
+        plans the request again without that prefill worker, the same decode worker allowed, once;
+        with no other prefill worker (or no time) it is the client's 503, naming why."""
+        assert plan.prefill is not None
+        job.tried.add(plan.prefill.worker)
+        job.tried.discard(plan.decode.worker)  # the decode worker did nothing wrong
+        why = (
+            f"its remote prefill on {plan.prefill.worker} failed ({exc}), and decode worker {plan.decode.worker} "
+            "cannot prefill locally (its engine waits for a prefill peer's KV: an SGLang decode server)"
+        )
+        return LegError(plan.prefill.worker, 503, NO_LOCAL_PREFILL, why, retryable=True, role="prefill")
+
     def _prefill_worked(self, job: Job, plan: RoutePlan) -> None:
         """The attempt's prefill leg ended well: its worker worked, and its booking there settles."""
         assert plan.prefill is not None
@@ -1053,6 +1072,8 @@ class Dispatcher:
         settings = self._settings()
         if exc.nats_lost:
             raise exc
+        if exc.refused and not exc.unknown_model and not plan.decode.info.local_prefill:
+            raise exc  # the decode engine cannot take it as a bypass: the refusal is the client's answer
         if exc.refused and not exc.unknown_model:
             # Its engine refused the request before any prefill. The decode engine has its say:
             # one started with other flags takes what this one does not (vLLM's tool choice
@@ -1070,6 +1091,8 @@ class Dispatcher:
             # leg's. A 5xx stays unjudged: only a fallback that serves puts it down to the worker.
             raise exc
         self._blame(exc)
+        if not plan.decode.info.local_prefill:
+            raise self._no_local_prefill(job, plan, exc)
         if fault is not None and exc.engine_failed:
             job.prefill_error = (worker, fault[0])  # judged by the fallback (_decode, run)
         if not exc.malformed:  # that one is logged once per worker (_blame), not per request

@@ -1013,6 +1013,7 @@ class WorkerShim:
             aliases=self.aliases,
             prefix_caching=lim.prefix_caching is not False,
             sliding_window=self.normaliser.windows.window if self.normaliser is not None else 0,
+            local_prefill=c.role != "decode" or self.adapter.decode_prefills,
         )
 
     # --- engine events ------------------------------------------------------------------------------

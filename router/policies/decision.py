@@ -35,6 +35,9 @@ class Outcome(StrEnum):
     BYPASS_PROMPT_LOGPROBS = "bypass_prompt_logprobs"  # prompt logprobs need the prompt's own forward pass
     BYPASS_BEAM_SEARCH = "bypass_beam_search"  # vLLM's beam search neither returns nor loads a transfer handle
     BYPASS_TRANSFER_FAILING = "bypass_transfer_failing"  # pulls into the decode worker fail from every prefill worker
+    # a bypass (any of the above, or no prefill pool room) on a decode worker that cannot prefill
+    # locally (WorkerInfo.local_prefill false: an SGLang decode server) -> remote after all
+    REMOTE_NO_LOCAL_PREFILL = "remote_no_local_prefill"
 
 
 class Path(StrEnum):

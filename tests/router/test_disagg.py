@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from protocol import WorkerInfo
 from router.disagg import Disaggregator
 from router.policies import Outcome, Path
-from router.request_context import RequestShape
+from router.request_context import Candidate, RequestShape
 from tests.router.builders import cand, ctx, settings
 from tests.router.test_planner import MODEL, Fleet, winfo
 
@@ -166,3 +168,53 @@ def test_only_a_same_engine_pool_wholly_failing_bypasses_for_it() -> None:
     plan = f.planner.take(f.ctx(list(range(64)), "r1"))
     assert plan is not None and plan.outcome is Outcome.REMOTE_PREFILL and plan.prefill is not None
     assert plan.prefill.worker == "p1"
+
+
+def _no_local(c: Candidate) -> Candidate:
+    """`c` as an SGLang decode server registers: no local prefill."""
+    c.info = msgspec.structs.replace(c.info, local_prefill=False)
+    return c
+
+
+@pytest.mark.parametrize(
+    ("flags", "prefill_full"),
+    [
+        ({"conditional_disagg": True}, False),  # isl_bounding: a short uncached prompt
+        ({"conditional_disagg": True, "conditional_disagg_policy": "prefill_load", "queue_threshold": 1.0}, False),
+        ({"disagg": "always"}, True),  # every prefill worker past its room: prefill_pool_full
+    ],
+    ids=["isl_bounding", "prefill_load", "prefill_pool_full"],
+)
+def test_a_decode_worker_that_cannot_prefill_locally_is_planned_no_bypass(
+    flags: dict[str, object], prefill_full: bool
+) -> None:
+    """The review of 20d8bb4, finding 1: an SGLang decode server has no local prefill, so a bypass
+    planned for it waited for KV that never came, to the client's deadline. It goes remote on the
+    best prefill worker of its engine (a full one too), counted and said as an override."""
+    p1 = cand("p1", "prefill", queued_prefill_tokens=10_000)
+    r = ctx(100, [_no_local(cand("d1", overlap=4))], [] if prefill_full else [p1])
+    dis = Disaggregator(settings(**flags))
+    plan = dis.plan(r, prefill_full=[p1] if prefill_full else [])
+    assert plan is not None and (plan.path, plan.outcome) == (Path.REMOTE, Outcome.REMOTE_NO_LOCAL_PREFILL)
+    assert plan.prefill is not None and plan.prefill.worker == "p1" and "cannot prefill locally" in plan.reason
+    dis.chosen(plan)
+    assert dis.counts == {Outcome.REMOTE_NO_LOCAL_PREFILL: 1}
+
+
+def test_a_request_no_handle_serves_skips_a_decode_worker_that_cannot_prefill_locally() -> None:
+    """n > 1 (or prompt logprobs, beam search) takes no transfer handle: it goes to a decode worker
+    that prefills, or to none, rather than to one that would hold it for KV."""
+    r = ctx(3000, [_no_local(cand("d1", overlap=40)), cand("d2")], [cand("p1", "prefill")])
+    r.shape = RequestShape(sequences=2)
+    plan = Disaggregator(settings(disagg="always")).plan(r)
+    assert plan is not None and (plan.decode.worker, plan.outcome) == ("d2", Outcome.BYPASS_SEQUENCES)
+    alone = ctx(3000, [_no_local(cand("d1"))], [cand("p1", "prefill")])
+    alone.shape = RequestShape(sequences=2)
+    assert Disaggregator(settings(disagg="always")).plan(alone) is None
+    no_pool = ctx(3000, [_no_local(cand("d1"))], [])
+    assert Disaggregator(settings(disagg="always")).plan(no_pool) is None
+
+
+def test_an_old_record_reads_as_one_that_prefills_locally() -> None:
+    old = msgspec.json.encode({"worker": "d1", "model": "m", "role": "decode", "engine": "sglang", "block_size": 16})
+    assert msgspec.json.decode(old, type=WorkerInfo).local_prefill is True

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
+import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -16,10 +17,11 @@ from nats.aio.msg import Msg
 from protocol import CancelRequest, GenerateRequest, TransferHandle, decode_msg, subjects
 from protocol.config import RouterSettings
 from protocol.messages import ANNOTATION_BYPASS, ErrorInfo
-from router.dispatch import Dispatcher
+from router.dispatch import NO_LOCAL_PREFILL, Dispatcher, Job
+from router.leg import LegError
 from router.policies import Outcome, Path
 from runtime.nats_flush import flush
-from tests.router.test_dispatch import HB, Behaviour, Books, Worker, chunk, collect, job
+from tests.router.test_dispatch import HB, Behaviour, Books, Worker, answer, chunk, collect, job
 
 TRIPLE = {"bootstrap_host": "10.0.0.5", "bootstrap_port": 8998, "bootstrap_room": 77}
 PREFILL_TIMEOUT_S = 2.0
@@ -226,3 +228,50 @@ async def test_a_prefill_that_fails_after_the_decode_leg_streams_changes_nothing
     assert [c.token_ids for c in chunks] == [[5], [6]]
     assert len(pair.decode.requests) == 1 and pair.cancelled == []
     assert j.outcome is Outcome.DECLINED_POLICY and d.fallbacks == 0
+
+
+def _no_local(j: Job) -> Job:
+    """`j` planned on decode worker w1 registered as an SGLang decode server: no local prefill."""
+    d = j.plan.decode
+    d.info = msgspec.structs.replace(d.info, local_prefill=False)
+    return j
+
+
+@pytest.mark.parametrize("another_prefill_worker", [True, False])
+async def test_a_failed_remote_prefill_for_a_decode_worker_that_cannot_prefill_locally_sends_no_bypass(
+    nc: Client, ns: str, router: tuple[Dispatcher, Books, Verdicts], another_prefill_worker: bool
+) -> None:
+    """The review of 20d8bb4, finding 1: the bypass a failed prefill fell back to waited on an
+    SGLang decode server for KV that never came, to the client's deadline. Now the remote prefill
+    is tried again on another prefill worker, the same decode worker kept; with none, the client's
+    503 at once, naming why."""
+    d, _, _ = router
+
+    async def fails(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        await chunk(nc, msg, req, 0, final=True, error=ErrorInfo(code=500, kind="engine_error", message="boom"))
+
+    async def prefills(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        handle = TransferHandle(engine="sglang", params=TRIPLE)
+        await chunk(nc, msg, req, 0, final=True, finish_reason="length", transfer=handle)
+
+    async def decodes_with_kv_only(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        if req.disagg is not None:  # a bypass leg is held, as an SGLang decode server holds it
+            await answer(nc, msg, req)
+
+    p1, p2, w1 = Worker(nc, ns, "p1"), Worker(nc, ns, "p2"), Worker(nc, ns, "w1")
+    await p1.serve("prefill", fails)
+    await p2.serve("prefill", prefills)
+    await w1.serve("decode", decodes_with_kv_only)
+    replans = [_no_local(job("w1", prefill="p2")).plan] if another_prefill_worker else []
+    j = _no_local(job("w1", prefill="p1", replans=replans))
+    if another_prefill_worker:
+        chunks = await asyncio.wait_for(collect(d, j), PREFILL_TIMEOUT_S)
+        assert [c.token_ids for c in chunks] == [[5], [6]]
+        assert (j.path, d.retries, d.fallbacks) == (Path.REMOTE, 1, 0)
+    else:
+        with pytest.raises(LegError) as caught:
+            await asyncio.wait_for(collect(d, j), PREFILL_TIMEOUT_S)
+        assert (caught.value.code, caught.value.kind) == (503, NO_LOCAL_PREFILL)
+        assert "cannot prefill locally" in caught.value.message and "boom" in caught.value.message
+        assert d.fallbacks == 0
+    assert all(r.disagg is not None for r in w1.requests)  # no bypass leg

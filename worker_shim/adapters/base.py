@@ -220,6 +220,11 @@ OnOutput = Callable[[int, list[bytes], list[int]], Awaitable[None]]
 
 class EngineAdapter(ABC):
     kind: ClassVar[str]
+    # Whether its engine, started for the decode role, prefills a request sent with no transfer
+    # handle (a bypass): vLLM's does (NixlConnector prefills locally without kv_transfer_params),
+    # TensorRT-LLM's generation server does (a context_and_generation request, upstream's own
+    # conditional disaggregation), SGLang's does not (WorkerInfo.local_prefill).
+    decode_prefills: ClassVar[bool] = True
 
     def __init__(self, config: ShimConfig) -> None:
         self.config = config

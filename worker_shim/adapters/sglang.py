@@ -468,6 +468,9 @@ def _meta_count(meta: dict[str, Any], name: str) -> int | None:
 
 class SglangAdapter(ZmqEventsAdapter):
     kind: ClassVar[str] = "sglang"
+    # A --disaggregation-mode decode server skips the prefill forward and waits for a prefill
+    # peer's KV (upstream disaggregation/decode.py): a bypass leg there would wait to its deadline.
+    decode_prefills: ClassVar[bool] = False
 
     def __init__(self, config: ShimConfig) -> None:
         super().__init__(config)
