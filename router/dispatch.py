@@ -279,9 +279,12 @@ class _PrefillFailed(Exception):
 
 async def _cut_short(leg: Leg, chunk: ResponseChunk, until: float, silence_s: float) -> None:
     """Read a cancelled decode leg, from `chunk`, to its end (the shim's answer to the cancel, after
-    its engine's abort), dropping what it sends, until `until` at most (time.monotonic()): its
-    bypass leg goes to the same worker under the same request id, which the shim refuses (409)
-    while the cancelled one is still in flight there."""
+    its engine's abort), dropping what it sends, until `until` at most (time.monotonic(): the
+    request's deadline; three silent heartbeats end it sooner): its bypass leg goes to the same
+    worker under the same request id, which the shim refuses (409) while the cancelled one is still
+    in flight there. Not three heartbeats after the cut: an engine slow to abort (SGLang's abort is
+    awaited up to 2 s) keeps its shim heartbeating, and the bypass sent then was refused, the
+    client's 502."""
     while not chunk.final:
         try:
             chunk = await leg.next(until - time.monotonic(), silence_s)
@@ -904,7 +907,7 @@ class Dispatcher:
                             raise
                         raise _PrefillFailed from None  # it ended on its own meanwhile
                     if watch is not None and watch.cut_at is not None:  # its prefill failed: cut
-                        await _cut_short(leg, chunk, min(job.deadline, watch.cut_at + silence), silence)
+                        await _cut_short(leg, chunk, job.deadline, silence)
                         raise _PrefillFailed
                     generated = _generated(chunk)
                     if not generated and job.first_token_at is None and not chunk.final and _output(chunk):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import nats
 import pytest
+from aiohttp import web
 
 from protocol import GenerateRequest, subjects
 from protocol.config import RouterSettings
@@ -47,8 +48,20 @@ class PD:
     decode: Worker
 
 
-async def _worker(stack: AsyncExitStack, nats_url: str, ns: str, role: ShimRole, name: str) -> Worker:
-    engine = FakeSglang()
+class SlowAbort(FakeSglang):
+    """Answers /abort_request after `delay`: an engine busy when the abort comes."""
+
+    delay = 0.6  # six heartbeats
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.delay)
+        return await super()._abort(request)
+
+
+async def _worker(
+    stack: AsyncExitStack, nats_url: str, ns: str, role: ShimRole, name: str, engine: FakeSglang | None = None
+) -> Worker:
+    engine = engine or FakeSglang()
     url = await stack.enter_async_context(engine.serving())
     host = "10.0.0.5" if role == "prefill" else None
     config = ShimConfig(
@@ -173,3 +186,29 @@ async def test_a_prefill_slower_than_prefill_timeout_after_its_handle_is_served(
         assert [t for c in chunks for t in c.token_ids] == [11, 12]
         assert (job.outcome, job.path, router.fallbacks) == (Outcome.DECLINED_POLICY, Path.REMOTE, 0)
         assert len(decode.engine.got) == 1  # no bypass leg
+
+
+async def test_a_cut_decode_leg_whose_engine_aborts_slowly_is_waited_for_before_the_bypass(
+    nats_url: str, ns: str
+) -> None:
+    """The review's r1: the decode engine answers the abort of the cut leg after six heartbeats.
+    Until 2026-12-07 the router waited three heartbeats after the cut, then sent the bypass, which
+    the decode shim refused (409: the cut leg still in flight under the same request id), the
+    client's 502. Its shim heartbeats while the engine aborts, so the router waits on."""
+    async with AsyncExitStack() as stack:
+        prefill = await _worker(stack, nats_url, ns, "prefill", "p1")
+        decode = await _worker(stack, nats_url, ns, "decode", "w1", SlowAbort())
+        nc = await nats.connect(nats_url)
+        stack.push_async_callback(nc.close)
+        router = Dispatcher(nc, ns, Books(), settings=lambda: RouterSettings(stream_heartbeat_s=HB))
+        await router.start()
+        stack.push_async_callback(router.stop)
+        job = _job(100)
+        got = asyncio.ensure_future(collect(router, job))
+        await wait_for(lambda: "r1" in decode.engine.held and "r1" in prefill.engine.held, 5, what="both legs")
+        prefill.engine.answer("r1", 500, {"error": {"message": "KV transfer failed"}})
+        await wait_for(lambda: len(decode.engine.got) == 2 and "r1" in decode.engine.held, 5, what="the bypass")
+        decode.engine.answer("r1", tokens=2)
+        chunks = await asyncio.wait_for(got, 5)
+        assert [t for c in chunks for t in c.token_ids] == [11, 12]
+        assert (job.outcome, router.fallbacks) == (Outcome.FALLBACK_PREFILL_FAILED, 1)
