@@ -945,6 +945,8 @@ class Dispatcher:
                         if _output(chunk):
                             job.held.append(chunk)  # until the leg shows it serves the request
                         continue  # else a heartbeat
+                    if watch is not None and chunk.final and chunk.error is None and chunk.finish_reason != "abort":
+                        watch.fed()  # the KV came: its prefill worked, its own final chunk read or not
                     for held in job.held:
                         yield held
                     job.drop_held()

@@ -16,7 +16,15 @@ handle at once, and this watch reads the prefill leg on beside it until its fina
 - failed after the decode leg showed output: nothing; the KV came.
 
 A lost NATS connection is no failure here: the decode leg, on the same connection, judges itself.
-`close()` ends the watch with its attempt: a prefill leg still open is cancelled on its worker.
+A decode leg fed by its handle that ends well (`fed()`) shows the prefill worked, whether or not the
+prefill leg's own final chunk has come (a one-token answer's decode leg may end first): judged so
+at once, and the prefill leg is left to end by itself, not aborted. Until 2026-12-07 the decode
+leg's end cancelled the watch, so such a prefill was never judged (a `prefill_failing` probe
+episode ran on) and its engine was sent a needless abort.
+`close()` ends the watch with its attempt: a prefill leg whose final chunk came is read to it; one
+still open after an attempt that failed (or a client that left) is cancelled on its worker and read
+to its end, three silent heartbeats or the deadline, as a retry may send its worker a prefill leg
+under the same request id, which its shim refuses (409) while this one still aborts.
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ from router.leg import Leg, LegError
 from router.tracing import RequestTracer
 
 __all__ = ["PREFILL_ABORTED", "PrefillWatch"]
+
+# Watches left reading a prefill leg to its end after their attempt (`fed`): held until done
+_LEFT: set[asyncio.Task[None]] = set()
 
 # The LegError kind of a prefill leg whose engine ended its prefill as aborted without an error
 # (SGLang's abort of a request in its queue): no KV goes to the decode peer.
@@ -52,6 +63,9 @@ class PrefillWatch:
         cut: Callable[[Leg], Awaitable[None]],
     ) -> None:
         self.worker = leg.worker
+        self._leg = leg
+        self._judged = False  # on_done called, or a failure found
+        self._closing = False  # cancelled with its attempt: its end is no verdict
         self.left_s = left_s  # what the request had left as the prefill leg went (router.dispatch._prefill_fault)
         self.failure: LegError | None = None
         self.cut_at: float | None = None  # time.monotonic() its decode leg was cut
@@ -71,11 +85,31 @@ class PrefillWatch:
         if self.failure is not None:
             await self._cut_decode()
 
+    def fed(self) -> None:
+        """The decode leg its handle went to ended well: the KV came, so the prefill worked."""
+        self._worked()
+
+    def _worked(self) -> None:
+        if not self._judged and self.failure is None:
+            self._judged = True
+            self._on_done()
+
     async def close(self) -> None:
         task = self._task
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        if task.done():
+            return
+        if self._judged and not self._leg.done:  # fed: nothing to retry, nothing to abort; it ends by itself
+            _LEFT.add(task)
+            task.add_done_callback(_LEFT.discard)
+            return
+        if not self._leg.done:  # its attempt failed, or its client left: aborted, and waited for
+            self._closing = True
+            await self._cut(self._leg)
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
 
     async def _read(self, leg: Leg, context: contextlib.AsyncExitStack, until: float, silence_s: float) -> None:
         async with context:  # leaving it cancels the leg on its worker unless it ended
@@ -86,13 +120,13 @@ class PrefillWatch:
                     why = "its engine ended the prefill as aborted: no KV goes to the decode worker"
                     raise LegError(self.worker, 502, PREFILL_ABORTED, why, retryable=True, role="prefill")
             except LegError as exc:
-                if exc.nats_lost:
-                    return
+                if exc.nats_lost or self._closing or self._judged:
+                    return  # its end after a cancel, or after the KV came, says nothing of the prefill
                 RequestTracer.failed(leg.span, str(exc))
                 self.failure = exc
                 await self._cut_decode()
                 return
-            self._on_done()
+            self._worked()
 
     async def _cut_decode(self) -> None:
         decode = self._decode

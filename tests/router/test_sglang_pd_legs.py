@@ -212,3 +212,73 @@ async def test_a_cut_decode_leg_whose_engine_aborts_slowly_is_waited_for_before_
         chunks = await asyncio.wait_for(got, 5)
         assert [t for c in chunks for t in c.token_ids] == [11, 12]
         assert (job.outcome, router.fallbacks) == (Outcome.FALLBACK_PREFILL_FAILED, 1)
+
+
+async def test_a_prefill_whose_decode_leg_ends_first_is_judged_and_not_aborted(nats_url: str, ns: str) -> None:
+    """The review's r6: a one-token answer's decode leg ends before the prefill leg's final chunk is
+    read (SGLang answers the prefill once its sender sees the transfer done). Until 2026-12-07 the
+    decode leg's end cancelled the watch: the prefill that fed it was never judged (a
+    prefill_failing probe episode ran on) and its engine got a needless abort."""
+    async with AsyncExitStack() as stack:
+        prefill = await _worker(stack, nats_url, ns, "prefill", "p1")
+        decode = await _worker(stack, nats_url, ns, "decode", "w1")
+        nc = await nats.connect(nats_url)
+        stack.push_async_callback(nc.close)
+        verdicts: list[tuple[str, str | None, bool]] = []
+        router = Dispatcher(
+            nc, ns, Books(), settings=lambda: RouterSettings(stream_heartbeat_s=HB),
+            on_prefill=lambda w, fault, whole: verdicts.append((w, fault, whole)),
+        )  # fmt: skip
+        await router.start()
+        stack.push_async_callback(router.stop)
+        for gap in (0.0, 0.02, 0.05):
+            verdicts.clear()
+            got = asyncio.ensure_future(collect(router, _job(100)))
+            await wait_for(lambda: "r1" in decode.engine.held and "r1" in prefill.engine.held, 5, what="both legs")
+            decode.engine.answer("r1", tokens=1)
+            await asyncio.sleep(gap)
+            if "r1" in prefill.engine.held:
+                prefill.engine.answer("r1")  # its KV went
+            await asyncio.wait_for(got, 5)
+            assert verdicts == [("p1", None, True)], gap
+            await wait_for(lambda: not prefill.svc.inflight, 5, what="the prefill leg's end")
+        assert prefill.engine.aborted == []
+
+
+async def test_a_retry_after_a_decode_failure_can_use_the_same_prefill_worker(
+    nats_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The review's r5: the decode leg fails before its first token (w1 is gone) and the request is
+    retried on w2 with the same prefill worker. The first prefill leg, waiting for its decode peer,
+    is cancelled and read to its end before the retry: until 2026-12-07 the retry's prefill leg met
+    it still aborting there, was refused (409), counted as p1's failure and fell back, blaming p1."""
+    async with AsyncExitStack() as stack:
+        prefill = await _worker(stack, nats_url, ns, "prefill", "p1")
+        w2 = await _worker(stack, nats_url, ns, "decode", "w2", SlowAbort())
+        prefill.engine.__class__ = SlowAbort  # its abort takes six heartbeats too
+        nc = await nats.connect(nats_url)
+        stack.push_async_callback(nc.close)
+        router = Dispatcher(nc, ns, Books(), settings=lambda: RouterSettings(stream_heartbeat_s=HB))
+        await router.start()
+        stack.push_async_callback(router.stop)
+        c = ctx(100, [cand("w1"), cand("w2")], [cand("p1", "prefill")])
+
+        def plan(decode: int) -> RoutePlan:
+            d = c.decode_pool[decode]
+            return RoutePlan(
+                c, d, c.prefill_pool[0], Path.REMOTE, Outcome.DECLINED_POLICY, "", c.decode_pool, c.prefill_pool,
+                key=f"r1#{decode + 1}",
+            )  # fmt: skip
+
+        replans = [plan(1)]
+        req = GenerateRequest(request_id="r1", model="m", token_ids=list(range(100)))
+        job = Job(request=req, plan=plan(0), replan=lambda _ex: replans.pop(0), deadline=time.monotonic() + DEADLINE_S)
+        got = asyncio.ensure_future(collect(router, job))
+        await wait_for(lambda: "r1" in w2.engine.held and "r1" in prefill.engine.held, 5, what="the retry's legs")
+        assert prefill.engine.aborted == ["r1"] and len(prefill.engine.got) == 2  # the first leg ended first
+        prefill.engine.answer("r1")
+        w2.engine.answer("r1", tokens=2)
+        chunks = await asyncio.wait_for(got, 5)
+        assert [t for c in chunks for t in c.token_ids] == [11, 12]
+        assert (job.path, router.retries, router.fallbacks) == (Path.REMOTE, 1, 0)
+        assert not [r for r in caplog.records if "remote prefill failed" in r.getMessage()]
