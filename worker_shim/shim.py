@@ -680,14 +680,20 @@ class WorkerShim:
         """Where the engine stands while it has work (legs in flight, or requests it reports
         running or waiting); None while it has none. A decode leg whose KV the engine still pulls
         is no work of its own (a slow pull from another worker shows no step and no token), nor
-        is the request the engine reports for it."""
+        is the request the engine reports for it; nor is a prefill leg whose engine waits for its
+        decode peer (SGLang's, after its handle went), nor what the engine reports in its P/D
+        queues (EngineLoad.peer_waiting). Until 2026-12-07 a healthy SGLang prefill engine holding
+        requests for slow decode peers was taken for hung."""
         requests, load = self.requests, self._engine_load
         assert requests is not None
-        # A pull is exempt for one stall limit: one that takes longer is a hang like any other.
+        # A pull is exempt for one stall limit: one that takes longer is a hang like any other. A wait
+        # for a decode peer is not: a full decode pool keeps it waiting as long as it stays full,
+        # which says nothing of this engine; the leg's deadline and SGLang's own bootstrap timeout end it.
         since = time.monotonic() - self.config.stall_limit_s
         pulling = sum(1 for rid, at in self.adapter.pulling.items() if at > since and rid in requests.inflight)
-        reported = load.running + load.waiting if load is not None else 0
-        if len(requests.inflight) == pulling and reported <= pulling:
+        exempt = pulling + sum(1 for rid in self.adapter.waiting_peer if rid in requests.inflight)
+        reported = load.running + load.waiting - load.peer_waiting if load is not None else 0
+        if len(requests.inflight) == exempt and reported <= exempt:
             return None
         return _Progress(
             completed=requests.completed,

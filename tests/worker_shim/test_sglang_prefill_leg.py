@@ -16,12 +16,14 @@ import nats
 import pytest
 
 from protocol import CancelRequest, encode_msg, subjects
+from protocol.config import EtcdSettings, NatsSettings
 from tests.worker_shim.cluster import wait_for
 from tests.worker_shim.fake_sglang import TOO_LONG, FakeSglang
 from tests.worker_shim.test_request_service import Collector, gen
-from worker_shim.adapters.sglang import SglangAdapter
+from worker_shim.adapters.sglang import SglangAdapter, load_from_metrics
 from worker_shim.config import ShimConfig
 from worker_shim.request_service import RequestService
+from worker_shim.shim import WorkerShim
 
 PROMPT = list(range(100))
 
@@ -191,3 +193,47 @@ async def test_an_old_routers_prefill_runs_past_its_legs_deadline_once_its_handl
     assert "r1" in p.engine.held and not p.engine.aborted and "r1" in p.svc.inflight
     p.engine.answer("r1")
     await wait_for(lambda: not p.svc.inflight, 5, what="the leg to end with its engine")
+
+
+_WAITING_FOR_PEERS = """# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 0
+sglang:num_queue_reqs{model_name="m"} 0
+sglang:token_usage{model_name="m"} 0.0
+sglang:num_prefill_bootstrap_queue_reqs{model_name="m"} 2
+"""
+
+
+def _watchdog(svc: RequestService, stall_limit_s: float) -> WorkerShim:
+    """A shim, never started, whose stall watchdog looks at `svc` and its adapter."""
+    cfg = ShimConfig(
+        engine="sglang",
+        model="m",
+        role="prefill",
+        bootstrap_host="10.0.0.5",
+        kv_events="tcp://127.0.0.1:9",
+        stall_limit_s=stall_limit_s,
+    )
+    shim = WorkerShim(cfg, NatsSettings(servers=["nats://127.0.0.1:1"]), EtcdSettings(endpoints=["x"]))
+    shim.requests, shim.adapter = svc, svc.adapter
+    return shim
+
+
+async def test_a_prefill_engine_waiting_for_its_decode_peers_is_not_taken_for_hung(prefill: Prefill) -> None:
+    """The review's r4: two prefill legs whose handles went wait for their decode peers, the engine
+    healthy, its /metrics answering, its bootstrap queue holding them. Until 2026-12-07 the stall
+    watchdog judged them (and the bootstrap queue) as the engine's work, saw no step, and took the
+    engine for hung after the stall limit: its legs ended and the worker deregistered."""
+    p = prefill
+    for rid in ("a", "b"):
+        await p.col.send(p.subject, gen(rid, PROMPT, early_transfer=True, heartbeat_s=0.1))
+    await _held(p, "a", "b")
+    dog = _watchdog(p.svc, stall_limit_s=0.5)
+    started = time.monotonic()
+    while time.monotonic() - started < 1.5:  # three stall limits of fresh readings: no time limit on a peer
+        dog._engine_load = load_from_metrics(_WAITING_FOR_PEERS, 1000, 1000)
+        dog._engine_load_at = time.monotonic()
+        assert dog._hung(time.monotonic()) is None
+        await asyncio.sleep(0.1)
+    p.engine.answer("a")  # its peer came: the engine answers, and the leg is judged as any other work
+    await wait_for(lambda: "a" not in p.svc.inflight and "a" not in p.svc.adapter.waiting_peer, 5, what="a's end")
+    assert "b" in p.svc.adapter.waiting_peer

@@ -178,6 +178,10 @@ class EngineLoad:
     # the last figures read, repeated. No time is stamped on it (the stall watchdog takes no silence
     # from it), and the load reports floor its requests at the shim's legs in flight.
     stale: bool = False
+    # Of `waiting`, requests held for a P/D peer or a KV transfer (SGLang's bootstrap, prealloc,
+    # inflight and transfer queues): no step of the engine's serves them, so the stall watchdog
+    # judges none of them (its load reports count them all the same).
+    peer_waiting: int = 0
 
 
 @dataclass(slots=True)
@@ -233,6 +237,9 @@ class EngineAdapter(ABC):
         # (time.monotonic()): the engine is pulling their KV from another worker, which shows no
         # step and no token while it lasts.
         self.pulling: dict[str, float] = {}
+        # Prefill legs whose handle went to their decode peer, by request id: the engine waits for
+        # that peer (SGLang's bootstrap queue) until it answers, which shows no step either.
+        self.waiting_peer: set[str] = set()
 
     @contextlib.contextmanager
     def watch_pull(self, leg: LegRequest, on_output: OnOutput) -> Iterator[OnOutput]:

@@ -286,8 +286,10 @@ def load_from_metrics(text: str, kv_total_blocks: int | None, kv_total_tokens: i
         absent = ", ".join(n for n in _LOAD if sum_samples(samples, n) is None)
         raise EngineError(502, "engine_protocol", f"the engine's /metrics has no {absent}: were its metrics renamed?")
     queued = as_count(waiting, "sglang:num_queue_reqs") or 0
+    peer_waiting = 0
     for name in _PD_QUEUES:
-        queued += as_count(sum_samples(samples, name), name) or 0
+        peer_waiting += as_count(sum_samples(samples, name), name) or 0
+    queued += peer_waiting
     used = [v for n, _, v in samples if n == _USED]
     if len(used) == 1 and kv_total_tokens is not None and kv_total_tokens > 0:
         kv_usage: float | None = min(used[0] / kv_total_tokens, 1.0)
@@ -296,6 +298,7 @@ def load_from_metrics(text: str, kv_total_blocks: int | None, kv_total_tokens: i
     return EngineLoad(
         running=as_count(running, "sglang:num_running_reqs") or 0,
         waiting=queued,
+        peer_waiting=peer_waiting,
         kv_usage=kv_usage,
         kv_total_blocks=kv_total_blocks,
     )
@@ -657,6 +660,9 @@ class SglangAdapter(ZmqEventsAdapter):
             task = asyncio.create_task(self._prefill(leg, body, bootstrap), name=f"sglang-prefill-{leg.request_id}")
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+            rid = leg.request_id
+            self.waiting_peer.add(rid)  # until the engine answers (the stall watchdog)
+            task.add_done_callback(lambda _: self.waiting_peer.discard(rid))
             return LegOutcome(
                 finish_reason=None,
                 usage=Usage(prompt_tokens=len(leg.token_ids)),
