@@ -80,7 +80,10 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   rest of the batch is applied and takes its seq, and the next load report's digest check repairs
   any difference the skipped events made (the digest check above: one that still disagrees right
   after its dump backs off). Until 2026-12-07 the whole batch was malformed, its known events
-  lost with it.
+  lost with it. They are counted and said as their batch is applied, never for a sender with no
+  record nor for a batch dropped (a duplicate, one held and then dropped); until the review of
+  e1d08bd, as they were decoded: any publisher on {ns}.kv.<name> took the counter's label values
+  for good and a WARNING telling to upgrade.
 - The index holds blocks of at most `MAX_WORKERS` (65,534) workers at once. One more holding
   none yet is refused: an ERROR, no entries, out of routing and not repaired until a worker leaves.
 """
@@ -93,8 +96,9 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -144,6 +148,10 @@ CLOCK_ALLOWANCE_S = 10.0
 _BATCH_BYTES = 256
 _EVENT_BYTES = 96
 _LISTED_HASH_BYTES = 40
+Skipped = Mapping[str, int]
+"""A batch's events of types this router does not know, left out of it: how many of each type."""
+_NONE_SKIPPED: Skipped = MappingProxyType({})
+_Held = tuple[int, KvEventBatch, Skipped]  # a batch held for a repair: (arrival no., it, its Skipped)
 
 
 @dataclass(eq=False)
@@ -154,7 +162,7 @@ class _Worker:
     kv_total_blocks: int | None = None  # its KV capacity, as its record or load reports say
     entry_limit: int = MIN_ENTRY_LIMIT  # the most index entries it may have (see _capacity)
     reported_blocks: int | None = None  # the blocks its shim says it holds (LoadReport.kv_blocks, the last one)
-    held: list[tuple[int, KvEventBatch]] = field(default_factory=list)  # (arrival no., batch), awaiting a repair
+    held: list[_Held] = field(default_factory=list)  # awaiting a repair
     held_bytes: int = 0  # _held_size of `held`
     overflow_logged: bool = False  # held batches dropped and said so since it was last synced
     impossible_said: bool = False  # batches its shim never sent dropped and said so, until a repair drops none
@@ -334,7 +342,8 @@ class KvIngest:
         self._on_events = on_events
         self._clock = clock
         self._unsynced: set[str] = set()  # workers bootstrapping or repairing: `synced` in O(1)
-        self._unknown: dict[str, deque[tuple[float, int, KvEventBatch]]] = {}  # (arrival time, size, batch)
+        # batches of workers with no record: (arrival time, size, batch, its events of unknown types)
+        self._unknown: dict[str, deque[tuple[float, int, KvEventBatch, Skipped]]] = {}
         # Kinds of malformed (or newer) input logged, per registered worker (forgotten when it
         # leaves: a worker back under its name is logged again) and, bounded, per sender with none
         self._said = FirstSaid(self._workers.__contains__, clock=clock)
@@ -380,10 +389,10 @@ class KvIngest:
         self._workers[worker] = state
         self._unsynced.add(worker)
         self.stats.workers[worker] = sync
-        for _, size, batch in self._unknown.pop(worker, ()):
+        for _, size, batch, skipped in self._unknown.pop(worker, ()):
             self._held_total -= size
             self.stats.unknown_held -= 1
-            self._hold(state, batch)
+            self._hold(state, batch, skipped)
         self._synced.clear()
         self.subscriptions.workers_changed()
         if self.status is PartStatus.RUNNING:
@@ -400,7 +409,7 @@ class KvIngest:
         self._unsynced.discard(worker)
         unknown = self._unknown.pop(worker, ())
         self.stats.unknown_held -= len(unknown)
-        self._held_total -= sum(size for _, size, _ in unknown)
+        self._held_total -= sum(size for _, size, _, _ in unknown)
         self.stats.workers.pop(worker, None)
         self._said.forget(worker)
         self.index.clear(worker)
@@ -500,39 +509,38 @@ class KvIngest:
     def _on_payload(self, subject_worker: str, data: bytes) -> None:
         """One payload from {ns}.kv.{subject_worker}: decode at the edge, then order and apply."""
         try:
-            batch, unknown = decode_extensible(data, KvEventBatch)
+            batch, skipped = decode_extensible(data, KvEventBatch)
             if batch.worker != subject_worker:
                 raise ProtocolError("KvEventBatch", f"names worker {batch.worker!r} on {subject_worker!r}'s subject")
         except ProtocolError as exc:
             # a newer schema's line in a slot of its own: one telling to upgrade is never swallowed
             self._malformed(subject_worker, exc, "newer schema" if exc.kind == NEWER_SCHEMA else "payload")
             return
-        if unknown:
-            self._newer(subject_worker, unknown)
         state = self._workers.get(batch.worker)
         if state is None:
-            self._hold_unknown(batch)
+            self._hold_unknown(batch, skipped)
             return
         sync = state.sync
         if sync.state is not SyncState.SYNCED:
-            self._hold(state, batch)
+            self._hold(state, batch, skipped)
         elif batch.epoch != sync.epoch:
             self.stats.epoch_changes += 1
-            self._hold(state, batch)
+            self._hold(state, batch, skipped)
             self._open_repair(state, dump=True, why=f"a batch of unknown epoch {batch.epoch:x}")
         elif batch.seq <= sync.last_seq:
             self.stats.duplicates += 1
         elif batch.seq > sync.last_seq + 1:
             self.stats.gaps += 1
-            self._hold(state, batch)
+            self._hold(state, batch, skipped)
             self._open_repair(state, dump=False, why=f"gap: seq {batch.seq} after {sync.last_seq}")
         else:
-            self._apply(batch, state)
+            self._apply(batch, state, skipped)
             self.stats.last_lag_s = max(0.0, time.time() - batch.ts)
 
-    def _newer(self, worker: str, unknown: dict[str, int]) -> None:
-        """Events of types this router does not know, left out of a batch of `worker`'s."""
-        self._newer_kinds.add(unknown)
+    def _newer(self, worker: str, skipped: Skipped) -> None:
+        """Events of types this router does not know, left out of a batch of registered `worker`'s
+        as it is applied."""
+        self._newer_kinds.add(skipped)
         if self._said("newer", worker):
             self._newer_lines.say(
                 worker,
@@ -541,7 +549,7 @@ class KvIngest:
                 "check repairs any difference they make; upgrade the routers first (docs/deployment.md, "
                 '"Upgrades"). Logged once per worker, counted in kvswitch_router_kv_events_unknown_total',
                 worker,
-                shown(unknown),
+                shown(skipped),
             )
 
     def _malformed(self, worker: str, exc: Exception, kind: str) -> None:
@@ -551,10 +559,11 @@ class KvIngest:
                 worker, "dropping malformed KV events from worker %s (logged once per worker and kind): %s", worker, exc
             )
 
-    def _apply(self, batch: KvEventBatch, state: _Worker) -> bool:
+    def _apply(self, batch: KvEventBatch, state: _Worker, skipped: Skipped = _NONE_SKIPPED) -> bool:
         """Apply `batch` to `state`'s worker (never to the worker the batch names: a repair reply's
-        batch could name another). False when the worker then holds more than it can (see
-        `_over_capacity`): its entries are gone and a full dump is next."""
+        batch could name another); `skipped`: its events of types this router does not know, left
+        out of it. False when the worker then holds more than it can (see `_over_capacity`): its
+        entries are gone and a full dump is next."""
         worker = state.name
         try:
             self.index.apply(worker, batch.events)
@@ -572,6 +581,8 @@ class KvIngest:
         state.sync.last_seq, state.sent_ts = batch.seq, _shim_time(batch.ts)
         self.stats.batches_applied += 1
         self.stats.events_applied += len(batch.events)
+        if skipped:
+            self._newer(worker, skipped)
         held = self.index.count(worker)
         if held <= state.entry_limit:
             return True
@@ -599,7 +610,7 @@ class KvIngest:
         self._open_repair(state, dump=True, why=why)
         state.why = why
 
-    def _hold(self, state: _Worker, batch: KvEventBatch) -> None:
+    def _hold(self, state: _Worker, batch: KvEventBatch, skipped: Skipped) -> None:
         size = _held_size(batch)
         if self._held_total + size > self._held_total_bytes_limit:
             self._expire_unknown(self._clock())  # stale batches of unknown workers must not keep the budget
@@ -619,7 +630,7 @@ class KvIngest:
             if others_full:
                 return
         self._arrivals += 1
-        state.held.append((self._arrivals, batch))
+        state.held.append((self._arrivals, batch, skipped))
         state.held_bytes += size
         self._held_total += size
         state.sync.buffered = len(state.held)
@@ -642,14 +653,14 @@ class KvIngest:
             self._held_total_bytes_limit >> 20,
         )
 
-    def _set_held(self, state: _Worker, held: list[tuple[int, KvEventBatch]]) -> None:
+    def _set_held(self, state: _Worker, held: list[_Held]) -> None:
         self._held_total -= state.held_bytes
         state.held = held
-        state.held_bytes = sum(_held_size(batch) for _, batch in held)
+        state.held_bytes = sum(_held_size(batch) for _, batch, _ in held)
         self._held_total += state.held_bytes
         state.sync.buffered = len(held)
 
-    def _hold_unknown(self, batch: KvEventBatch) -> None:
+    def _hold_unknown(self, batch: KvEventBatch, skipped: Skipped) -> None:
         now = self._clock()
         self._expire_unknown(now)
         size = _held_size(batch)
@@ -659,7 +670,7 @@ class KvIngest:
         queue = self._unknown.get(batch.worker)
         if queue is None:
             queue = self._unknown[batch.worker] = deque()
-        queue.append((now, size, batch))
+        queue.append((now, size, batch, skipped))
         self.stats.unknown_held += 1
         self._held_total += size
 
@@ -905,13 +916,14 @@ class KvIngest:
 
     def _drop_contradicted(self, state: _Worker, epoch: int, seq: int) -> None:
         """Held batches that arrived before the request and contradict the shim's answer."""
-        kept: list[tuple[int, KvEventBatch]] = []
+        kept: list[_Held] = []
         impossible: list[KvEventBatch] = []
-        for arrival, batch in state.held:
+        for held in state.held:
+            arrival, batch, _ = held
             if arrival <= state.asked_at and (batch.epoch != epoch or batch.seq > seq):
                 impossible.append(batch)
             else:
-                kept.append((arrival, batch))
+                kept.append(held)
         if not impossible:
             state.impossible_said = False  # the episode is over: a repair found none
             return
@@ -939,11 +951,11 @@ class KvIngest:
         held = state.held
         current = sorted((hb for hb in held if hb[1].epoch == sync.epoch), key=lambda hb: hb[1].seq)
         later = [hb for hb in held if hb[1].epoch != sync.epoch]  # arrived after the request: a newer epoch
-        for i, (_, batch) in enumerate(current):
+        for i, (_, batch, skipped) in enumerate(current):
             if batch.seq <= sync.last_seq:
                 self.stats.duplicates += 1
             elif batch.seq == sync.last_seq + 1:
-                if not self._apply(batch, state):  # past its capacity: cleared, and a dump is next
+                if not self._apply(batch, state, skipped):  # past its capacity: cleared, and a dump is next
                     self._set_held(state, current[i + 1 :] + later)
                     return False
             else:

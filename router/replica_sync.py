@@ -30,8 +30,11 @@ once per peer, dropped. Kept, it would shun the worker for `peer_ttl_s`. Until 2
 per process said the first peer's, and a second peer gone wrong was only a count. A message that
 does not decode is named by its `router` field when that decodes (until 2026-12-07 none was named,
 a newer peer's neither); a sender with no key here shares one line with every other such sender
-(a forger mints names). A message of a newer schema has its own once-slot per peer, apart from
-garbage, so the line telling to upgrade is never swallowed by an earlier one.
+(a forger mints names), before the first snapshot too (until the review of e1d08bd any name sent
+then took a slot for good: 64 forged ones left a registered peer's faults unsaid). A sender's
+name is shown quoted and cut (runtime.clipped): a line break in it cannot forge a line. A message
+of a newer schema has its own once-slot per peer, apart from garbage, so the line telling to
+upgrade is never swallowed by an earlier one.
 
 An entry of a kind this router does not know is a newer peer's (docs/decisions.md, "Kinds a newer
 kvswitch adds"): skipped, counted by kind, said once per peer; the message's other entries are
@@ -89,7 +92,7 @@ from router.lifecycle import PartStatus
 from router.load_view import LoadView
 from router.newer_kinds import NewerKinds, shown
 from router.peer_settings import PeerSettings
-from runtime import TickErrors, background, guarded
+from runtime import TickErrors, background, clipped, guarded
 from runtime.turns import Turns
 
 __all__ = ["ReplicaSync", "SyncStats"]
@@ -311,7 +314,7 @@ class ReplicaSync:
         if peer in self._departed:
             self.stats.departed += 1
             return
-        if self._discovery is not None and (self._registered is None or peer not in self._registered):
+        if not self._counts(peer):
             self.stats.unregistered += 1
             if self._registered is not None:  # before the first snapshot every peer is unknown
                 self._log_unregistered(peer, len(sync.entries))
@@ -335,6 +338,10 @@ class ReplicaSync:
             else:
                 view.free(e.request_id, router=peer)
 
+    def _counts(self, peer: str) -> bool:
+        """Whether `peer`'s messages count: it has a key here (any sender, without discovery)."""
+        return self._discovery is None or self.registered(peer) is True
+
     def _log_unregistered(self, peer: str, entries: int) -> None:
         if peer in self._logged_senders or len(self._logged_senders) >= _LOGGED_SENDERS:
             return
@@ -344,7 +351,7 @@ class ReplicaSync:
             "dropping router sync from %s (%d entries): no key of its under %s in etcd (a forged "
             "sender, a router on this NATS registered in another etcd, or one registering this instant); logged "
             "once per sender%s, all counted in kvswitch_router_sync_unregistered_total",
-            peer,
+            clipped(repr(peer)),  # any publisher's word: a 200 KB name or one holding a line break
             entries,
             subjects.routers_prefix(self._ns),
             ", and no further sender is named" if last else "",
@@ -358,13 +365,20 @@ class ReplicaSync:
 
     def _undecodable(self, data: bytes, exc: ProtocolError) -> None:
         """A message that did not decode: named by its `router` field where that decodes, logged in
-        the slot of its peer (or of every sender with no key here) and its fault's kind."""
+        the slot of its peer where it has a key here, else in the one of every other sender (before
+        the first snapshot too: a forger's names must take no slot for good)."""
         named = named_sender(data, "router")
-        peer = named if named is not None and self.registered(named) is not False else None
+        peer = named if named is not None and self._counts(named) else None
         if named is None:
             sender = "a sender it does not name (its router field did not decode either)"
         elif peer is None:
-            sender = f"router {named}, which has no key under {subjects.routers_prefix(self._ns)} here"
+            prefix = subjects.routers_prefix(self._ns)
+            known = (
+                f"which has no key under {prefix} here"
+                if self._registered is not None
+                else f"not yet read under {prefix}"
+            )
+            sender = f"router {clipped(repr(named))}, {known}"
         else:
             sender = f"router {named}"
         self._malformed(peer, exc, sender, newer=exc.kind == NEWER_SCHEMA)

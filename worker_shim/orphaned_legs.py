@@ -18,7 +18,9 @@ A record under /{ns}/routers/ that does not decode names no instance: its key re
 It is counted (`records_refused`, kvswitch_shim_router_records_refused_total) and said once per key
 while its reason stands (discovery.refused_records), and these lines are at most one per
 RECORD_LINES_S, with how many were held back (until 2026-12-07 the watch logged a WARNING per bad
-put, uncapped, in every shim).
+put, uncapped, in every shim). A change of a key's reason held for its window's end as the watch
+ends (the shim stops) is said then by `flush`, in one line whatever RECORD_LINES_S: its timer
+said it after the stop, or never once the loop closed.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class OrphanedLegs:
             "as if its key were gone): %s",
             clock=clock,
         )
+        self._at_stop: list[tuple[str, tuple[object, ...]]] | None = None  # lines `flush` says as one
 
     def live(self) -> set[str]:
         """The router instances some key names now."""
@@ -92,8 +95,26 @@ class OrphanedLegs:
         self.records_refused += 1
         self._records.refused(name, why)
 
+    def flush(self) -> None:
+        """The routers watch ended: the reason changes held for their window's end, which no timer
+        will say now, are said at once, as one line (the first, with how many others) whatever
+        RECORD_LINES_S: held back, it would never be said."""
+        held: list[tuple[str, tuple[object, ...]]] = []
+        self._at_stop = held
+        try:
+            self._records.flush()
+        finally:
+            self._at_stop = None
+        if held:
+            msg, args = held[0]
+            more = f" ({len(held) - 1} more such lines as the watch ended)" if len(held) > 1 else ""
+            log.warning(msg + "%s (counted in kvswitch_shim_router_records_refused_total)", *args, more)
+
     def _say_record(self, name: str, msg: str, *args: object) -> None:
         """One refused router record's line, unless one was said within RECORD_LINES_S."""
+        if self._at_stop is not None:
+            self._at_stop.append((msg, args))
+            return
         said = self._record_lines(None)
         if said is None:
             return

@@ -1750,6 +1750,7 @@ class WorkerShim:
         finally:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
+            orphans.flush()  # a reason change held for its window's end, which no timer would say now
 
     # --- stop -----------------------------------------------------------------------------------
 

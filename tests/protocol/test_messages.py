@@ -256,6 +256,21 @@ def test_an_error_infos_retry_after_is_bounded_to_a_day(seconds: int) -> None:
 # --- kinds a newer kvswitch adds (docs/decisions.md) -----------------------------------------------
 
 
+@pytest.fixture
+def untyped_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of each payload decoded untyped (msgspec.msgpack.decode, which builds every object
+    in it) from here on."""
+    sizes: list[int] = []
+    decode = msgspec.msgpack.decode
+
+    def counted(data: bytes, **kw: object) -> object:
+        sizes.append(len(data))
+        return decode(data, **kw)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(msgspec.msgpack, "decode", counted)
+    return sizes
+
+
 def _batch_with(*events: dict[str, object], v: int = SCHEMA_VERSION) -> bytes:
     raw = {"v": v, "worker": "1a2b", "epoch": 1, "seq": 7, "ts": 1.5, "events": list(events)}
     return msgspec.msgpack.encode(raw)
@@ -328,6 +343,84 @@ def test_sync_entries_of_a_kind_this_build_does_not_know_are_left_out_and_counte
     ],
 )
 def test_the_sender_of_a_message_that_does_not_decode_is_named_where_its_field_decodes(
-    payload: bytes, named: str | None
+    payload: bytes, named: str | None, untyped_decodes: list[int]
 ) -> None:
     assert named_sender(payload, "router") == named
+    assert untyped_decodes == []  # the field alone is read (review of e1d08bd, finding 3: 1 MB, 36.7 -> 1.5 ms)
+
+
+# --- review of e1d08bd: the cost of garbage, a newer `v` that does not decode ----------------------
+
+
+_REMOVED: dict[str, object] = {"type": "removed", "hashes": b"\x00" * 8}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"type": "stored", "hashes": [1.5]},  # a known event gone wrong
+        {"type": 5},  # a kind that is no string
+        {"hashes": [1]},  # no kind at all
+    ],
+)
+def test_a_batch_whose_first_fault_is_no_unknown_kind_is_refused_without_a_second_decode(
+    bad: dict[str, object], untyped_decodes: list[int]
+) -> None:
+    """Review of e1d08bd, finding 3: every malformed batch was decoded again, untyped, in search of
+    an unknown kind (a 1.8 MB batch whose first event is bad: 0.002 ms, then 49.9 ms)."""
+    with pytest.raises(ProtocolError):
+        decode_extensible(_batch_with(bad, {"type": "moved"}, *[_REMOVED] * 100), KvEventBatch)
+    entries = [
+        {"request_id": "q", "worker": "w", "kind": "add", "tokens": 1.5},
+        {"request_id": "q2", "worker": "w", "kind": "requeue"},
+    ]
+    with pytest.raises(ProtocolError):
+        decode_extensible(msgspec.msgpack.encode({"router": "r1", "entries": entries}), RouterSync)
+    assert untyped_decodes == []
+
+
+@pytest.mark.parametrize("kind", ["moved", "", "x\nCRITICAL forged", "a' - at `$.events[0].hashes`", '"q"', "é" * 3])
+def test_a_kind_this_build_does_not_know_is_told_by_msgspecs_error_whatever_its_text(
+    kind: str, untyped_decodes: list[int]
+) -> None:
+    """Pins msgspec's wording of an unknown tag and enum value, which decode_extensible reads to
+    take its second decode: a change in it must fail here, not make a newer kind malformed."""
+    data = _batch_with({"type": "stored", "hashes": [1]}, {"type": kind}, _REMOVED)
+    batch, unknown = decode_extensible(data, KvEventBatch)
+    assert unknown == {kind: 1} and len(batch.events) == 2
+    entries = [{"request_id": "a", "worker": "w", "kind": "free"}, {"request_id": "b", "worker": "w", "kind": kind}]
+    sync, unknown = decode_extensible(msgspec.msgpack.encode({"router": "r1", "entries": entries}), RouterSync)
+    assert unknown == {kind: 1} and [e.kind for e in sync.entries] == ["free"]
+    assert len(untyped_decodes) == 2  # one each: only a message holding such a kind pays it
+
+
+_NEWER_SHAPES: list[tuple[type[msgspec.Struct], dict[str, object]]] = [
+    (KvEventBatch, {"worker": "a1", "epoch": 1, "seq": 5, "ts": "1733569200123456789", "events": []}),
+    (KvEventBatch, {"worker": "a1", "epoch": 1, "seq": 5, "ts": 0.0, "events": [{"type": "stored", "hashes": {}}]}),
+    (KvEventBatch, {"worker": "a1", "epoch": 1, "seq": 5, "ts": 0.0}),  # a field gone
+    (RouterSync, {"router": "r2", "entries": [{"request_id": "q", "worker": "w", "kind": "add", "tokens": 1.5}]}),
+    (LoadReport, {"worker": "a1", "ts": [0, 1]}),
+]
+
+
+@pytest.mark.parametrize(("kind", "raw"), _NEWER_SHAPES, ids=lambda x: getattr(x, "__name__", ""))
+def test_a_newer_schema_is_said_though_its_message_does_not_decode_under_this_one(
+    kind: type[msgspec.Struct], raw: dict[str, object]
+) -> None:
+    """Review of e1d08bd, finding 4 (r_newer_v.py): `v` was read only from a message that decoded,
+    but `v` is raised for a change an older reader misreads: a v 2 message with its `ts` now text,
+    its hashes reshaped or its tokens a float was plain garbage, with no word of upgrading."""
+    for v, newer in ((SCHEMA_VERSION + 1, True), (SCHEMA_VERSION, False), ("2", False)):
+        data = msgspec.msgpack.encode({"v": v, **raw})
+        with pytest.raises(ProtocolError) as err:
+            decode_msg(data, kind)
+        assert (err.value.kind == NEWER_SCHEMA) is newer, err.value
+        assert ("upgrade this process" in str(err.value)) is newer
+        if kind in (KvEventBatch, RouterSync):
+            with pytest.raises(ProtocolError) as extended:
+                decode_extensible(data, kind)
+            assert (extended.value.kind == NEWER_SCHEMA) is newer, extended.value
+    for record in (RouterInfo, WorkerInfo):  # etcd's records alike
+        with pytest.raises(ProtocolError) as err:
+            decode_json(msgspec.json.encode({"v": SCHEMA_VERSION + 1, "router": 5, "worker": 5}), record)
+        assert err.value.kind == NEWER_SCHEMA

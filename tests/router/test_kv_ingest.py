@@ -384,6 +384,41 @@ async def test_malformed_batches_from_senders_with_no_record_name_each_sender(
     assert [line.split(" (")[0] for line in lines] == [f"dropping malformed KV events from worker {s}" for s in senders]
 
 
+async def test_events_of_unknown_types_count_as_their_batch_is_applied_never_for_a_sender_with_no_record(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review of e1d08bd, finding 1: events of an unknown type were counted and said as they were
+    decoded, before the sender's record was looked up: any publisher on {ns}.kv.<name> took the 8
+    label values of kvswitch_router_kv_events_unknown_total for good (a real newer shim's type then
+    counted as "other") and a WARNING that its shim runs a newer kvswitch; a batch dropped later (a
+    duplicate, a stranger's expired) was counted too."""
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    ing = KvIngest(nc, ns, BlockIndex())  # not started: its batches and its one repair are handed to it here
+
+    def batch(worker: str, seq: int, *kinds: str) -> bytes:
+        events = [{"type": "stored", "hashes": [seq]}, *({"type": kind} for kind in kinds)]
+        return msgspec.msgpack.encode({"worker": worker, "epoch": 7, "seq": seq, "ts": 0.0, "events": events})
+
+    for s in range(4):  # senders with no record, two made-up types each
+        ing._on_payload(f"zz{s}", batch(f"zz{s}", 1, f"junk-{s}-0", f"junk-{s}-1"))
+    ing._on_payload("a1", batch("a1", 1, "moved"))  # ahead of its record: held
+    assert ing.stats.unknown_held == 5 and ing.stats.events_unknown == {} and not caplog.records
+    ing.add_worker("a1", 7)
+    ing._on_payload("a1", batch("a1", 2, "moved", "moved"))  # bootstrapping: held
+    assert ing.stats.events_unknown == {}
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=1, dump=True, hashes=[1])])
+    # seq 1 the dump covers (a duplicate, dropped), seq 2 applied
+    assert (ing.stats.duplicates, ing.stats.batches_applied) == (1, 1) and ing.stats.events_unknown == {"moved": 2}
+    ing._on_payload("a1", batch("a1", 2, "moved"))  # a duplicate again
+    ing._on_payload("a1", batch("a1", 3, "pinned"))
+    assert ing.stats.batches_applied == 2 and ing.stats.events_unknown == {"moved": 2, "pinned": 1}
+    assert ing.index.dump() == {"a1": [1, 2, 3]}
+    ing._expire_unknown(ing._clock() + 3600.0)  # the strangers' batches dropped unapplied
+    assert ing.stats.dropped_unknown == 4 and ing.stats.events_unknown == {"moved": 2, "pinned": 1}
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("worker a1 sends KV events of type 'moved', which this router does not know")
+
+
 async def test_late_replica_bootstraps_to_an_identical_index(nc: Client, ns: str, ingest: KvIngest) -> None:
     shims = [FakeShim(nc, ns, name, dump_chunk=2) for name in ("d1", "d2", "d3")]
     for s in shims:

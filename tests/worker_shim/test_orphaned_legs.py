@@ -209,3 +209,51 @@ async def test_bad_router_records_are_counted_and_said_once_per_key_a_few_lines_
     assert not [r for r in caplog.records if r.name == "discovery.watch" and r.levelno >= logging.WARNING]
     assert len(said()) == 2 and "'bad20'" in said()[1], said()
     assert "(20 more such lines held back in the last 10 s)" in said()[1]
+
+
+async def test_reason_changes_held_as_the_watch_ends_are_said_by_flush_in_one_line_and_never_after(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Review of e1d08bd, finding 5 (r_shim_timer.py): a change held for its window's end was said by
+    its timer after the shim had stopped, or never once the loop closed; and a flush through the
+    throttle would never say it (a line of its key was said within RECORD_LINES_S)."""
+    caplog.set_level(logging.WARNING, logger="worker_shim.orphaned_legs")
+    legs, clock = _Legs(), _Clock()
+    orphans = _orphans(legs, clock)
+    orphans.update(Snapshot({}, 1, skipped={"badr": "reason A", "bad2": "reason C"}))  # bad2's line held back
+    clock.now = 5.0
+    orphans.update(Deleted("badr", 2, why="reason B"))  # held for the window's end, at 10 s
+    orphans.update(Deleted("bad2", 3, why="reason D"))
+    orphans.flush()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0].startswith("router record under key 'badr' ignored") and "reason A" in said[0]
+    assert said[1].startswith("router record under key 'badr' ignored") and "reason B (changes of its reason" in said[1]
+    assert "(1 more such lines as the watch ended)" in said[1]
+    assert said[1].endswith("(counted in kvswitch_shim_router_records_refused_total)")
+    assert [key.timer for key in orphans._records._keys.values()] == [None, None]  # none to say it again later
+    orphans.flush()
+    assert len(caplog.records) == 2
+
+
+async def test_a_reason_change_held_as_the_shim_stops_is_said_by_its_stop(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="worker_shim.orphaned_legs")
+    key = subjects.routers_prefix(ns) + "badr"
+    async with SimServer(sim_config()) as sim, Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        try:
+            async with shim_for(sim, ns, nats_url, etcd_url) as shim:
+                await shim.registered.wait()
+                orphans = shim.orphans
+                assert orphans is not None
+                await d.put_raw(key, b"not json")
+                await wait_for(lambda: orphans.records_refused == 1, what="the bad record read")
+                await d.put_raw(key, b"[]")  # another reason, within its window (10 s)
+                await wait_for(lambda: orphans.records_refused == 2, what="its new reason read")
+                assert len(caplog.records) == 1
+        finally:
+            await d.delete(key)
+    said = [r.getMessage() for r in caplog.records]
+    assert (
+        len(said) == 2 and "Expected `object`, got `array` (changes of its reason since it was last said: 1)" in said[1]
+    )
