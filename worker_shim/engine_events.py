@@ -8,6 +8,8 @@ only what happens from now on. `live` is false for batches the adapter fetched a
 they say nothing about whether the live stream works. `ts` is when the engine made the batch, by
 its own clock (vLLM's batch timestamp; None where the engine sends none): the endpoint probe
 (worker_shim.endpoint_probe) compares it with the engine's `created` of a request it served.
+An adapter whose event stream shows a new engine run ends `run_events` with `EngineRestarted`
+instead of resetting: a restarted engine may run with other limits, so the shim ends the session.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "EngineCleared",
     "EngineEvent",
     "EngineRemoved",
+    "EngineRestarted",
     "EngineStored",
     "EventDecodeError",
     "EventSink",
@@ -45,6 +48,18 @@ class UnknownEngineEvent(EventDecodeError):
     def __init__(self, engine: str, event_type: str, detail: str) -> None:
         self.event_type = event_type
         super().__init__(engine, detail, "unknown event type")
+
+
+class EngineRestarted(Exception):
+    """The event stream shows a new run of the engine, or cannot show it is the same run (`why`):
+    nothing of the new run is delivered. The session ends and the next one registers a new worker
+    id, its limits, served names and tokenizer read again, as after a restart the health checks saw
+    (a restarted engine may have another block size, KV capacity or context length)."""
+
+    def __init__(self, engine: str, why: str) -> None:
+        super().__init__(f"the {engine} engine restarted: {why}")
+        self.engine = engine
+        self.why = why
 
 
 FULL = "full"

@@ -50,7 +50,8 @@ episode (until events are seen to flow) logs its ERROR and that WARNING once: an
 publishes nothing costs about one judgement's traffic per `retest_s`.
 `on_change` is called whenever `ok` or `why` changes; `on_connected` on every connection of the
 event socket to an engine (`connected()`, from the transport). Synchronous; expectations are loop
-timers, cancelled by `close()`.
+timers, cancelled by `close()` and by a new peer or a reset of the stream (`void_judgements`): they
+judge what the shim held before, which a new engine run or a reset voids.
 """
 
 from __future__ import annotations
@@ -154,9 +155,23 @@ class EventHealth:
 
     def connected(self) -> None:
         """The event socket has a new peer: maybe a restarted engine, its cause fixed, so its
-        events are judged anew."""
+        events are judged anew, and the judgements pending are void (`void_judgements`)."""
+        self.void_judgements()
         self.resolved(EventProblem.NO_CONNECTION, EventProblem.NO_STORED)
         self.on_connected()
+
+    def void_judgements(self) -> None:
+        """The stream has a new peer or was reset (a gap not replayed, a rebuild): the judgements
+        pending read what the shim held before, which is void (a Stored that came before its request
+        was watched is proven only by the shim holding its block), so they judge nothing; the next
+        request served is watched anew. Until 2026-12-07 they ran on, and a healthy engine restarted
+        right after serving a request was taken for one that publishes nothing (no_stored, out of
+        routing for `retest_s`)."""
+        for handle in self._timers:
+            handle.cancel()
+        self._timers.clear()
+        if EventProblem.NO_STORED not in self.problems:
+            self.silent.clear()
 
     def live(self, stored: bool) -> None:
         """A live (not replayed) batch of engine events arrived; `stored` if it held a Stored."""
@@ -286,6 +301,4 @@ class EventHealth:
         have none, only the retest lets routers send the worker traffic again)."""
         if not keep_retest:
             self._cancel_retest()
-        for handle in self._timers:
-            handle.cancel()
-        self._timers.clear()
+        self.void_judgements()

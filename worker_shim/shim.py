@@ -5,12 +5,13 @@ its limits against the flags, starts the engine's event stream and waits until i
 engine for its tokenizer fingerprint, then registers (a `discovery.Registration`: worker id = the
 lease id, or `worker_name`; a fresh random epoch), publishes its state so far, subscribes its
 subjects and serves. A session ends when the engine fails `health_failures` checks in a row, or
-leaves /health unanswered for `busy_limit_s`, or makes no progress for `stall_limit_s`: Cleared,
-deregister, wait for it to come back. Only the stall, a proven hang, ends the legs in flight (a
-retryable 503 `engine_unavailable`); on the other two they run on, still watched for a stall. It
-also ends when the shim stops (stop taking requests, finish in-flight within `drain_grace_s`,
-revoke the lease, close), and, as a failed session, when the worker id's KV publisher or load
-reporter crashed: a new session registers from a clean state. Legs a session leaves running keep
+leaves /health unanswered for `busy_limit_s`, or makes no progress for `stall_limit_s`, or when its
+event stream shows it restarted (EngineRestarted: back before the health checks failed, maybe with
+other limits): Cleared, deregister, wait for it to come back. Only the stall, a proven hang, ends
+the legs in flight (a retryable 503 `engine_unavailable`); on the others they run on, still
+watched for a stall. It also ends when the shim stops (stop taking requests, finish in-flight
+within `drain_grace_s`, revoke the lease, close), and, as a failed session, when the worker id's
+KV publisher or load reporter crashed: a new session registers from a clean state. Legs a session leaves running keep
 the old id's cancel subject heard until they end (routers cancel on the id they sent a leg to); a
 session that served SESSION_SERVED_S before it failed starts the backoff before the next over.
 
@@ -85,7 +86,7 @@ from worker_shim.adapters.zmq_bind import BindFailures, BindPending
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.endpoint_probe import EndpointProbe
-from worker_shim.engine_events import EngineBatch, EngineStored
+from worker_shim.engine_events import EngineBatch, EngineRestarted, EngineStored
 from worker_shim.event_health import EventProblem
 from worker_shim.http_server import ShimHttpServer
 from worker_shim.kv_events_config import listed_mode
@@ -1030,6 +1031,8 @@ class WorkerShim:
             return
         self.engine_events += len(batch.events)
         self.engine_batches[batch.live] += 1
+        if batch.reset:
+            self.events.void_judgements()
         if batch.events:
             stored = any(isinstance(e, EngineStored) and not self.probe.owns(e) for e in batch.events)
             if batch.live:
@@ -1552,9 +1555,16 @@ class WorkerShim:
         adapters_due = time.monotonic() + ADAPTERS_POLL_S
         assert self._events_task is not None and self.registration is not None
         while not self._stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.health_interval_s):
-                    await self._stopping.wait()
+            # The event stream's end is seen at once: it ends on an engine restart (EngineRestarted).
+            stopping = asyncio.ensure_future(self._stopping.wait())
+            try:
+                await asyncio.wait(
+                    (stopping, self._events_task),
+                    timeout=self.config.health_interval_s,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                stopping.cancel()
             if self._stopping.is_set():
                 return None
             if self.registration.failed.is_set():
@@ -1564,7 +1574,7 @@ class WorkerShim:
                 log.error("re-registration failed (%s): starting a new session", failure)
                 return None
             if self._events_task.done():
-                log.warning("engine event stream ended: %s", self._events_task.exception())
+                self._events_ended(self._events_task)
                 return None
             self._check_tasks()
             health = await self.adapter.health()
@@ -1598,6 +1608,21 @@ class WorkerShim:
                 self._leave_legs()
                 return None
         return None
+
+    def _events_ended(self, task: asyncio.Task[None]) -> None:
+        """Say why the session ends with its event stream: an engine restart the stream showed
+        (EngineRestarted, within the health checks), or a failure."""
+        failure = None if task.cancelled() else task.exception()
+        if isinstance(failure, EngineRestarted):
+            log.warning(
+                "the %s engine at %s restarted (%s): its session ends, and the worker registers anew under a new "
+                "id, the engine's limits and tokenizer read again",
+                failure.engine,
+                self.config.engine_url,
+                failure.why,
+            )
+            return
+        log.warning("engine event stream ended: %s", failure)
 
     def _count_task_failure(self, task: str) -> None:
         self.task_failures[task] += 1

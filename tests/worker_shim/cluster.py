@@ -64,10 +64,10 @@ def shim_for(sim: SimServer, ns: str, nats_url: str, etcd_url: str, **kw: Any) -
 
 
 def engine_set(sim: SimServer) -> set[int]:
-    """The canonical hashes of every block in the sim's own pool."""
+    """The canonical hashes of every block in the sim's own pool, at its block size."""
     out: set[int] = set()
     for prefix in sim.engine.cached_block_prefixes():
-        out.add(block_hashes(prefix, BLOCK)[-1])
+        out.add(block_hashes(prefix, sim.engine.block_size)[-1])
     return out
 
 

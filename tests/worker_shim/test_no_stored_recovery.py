@@ -7,7 +7,6 @@ endpoint. EventHealth alone, the real ZMQ transport, and the whole shim (real na
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -24,10 +23,11 @@ from protocol.messages import ENDPOINT_COMPLETIONS
 from tests.worker_shim.cluster import collector, complete, connect, shim_for, sim_config, wait_for
 from tests.worker_shim.test_event_health import _worker_info
 from tests.worker_shim.test_request_service import Collector, gen
-from worker_shim import ShimConfig, WorkerShim
+from worker_shim import EngineBatch, EngineStored, Normaliser, ShimConfig, WorkerShim
 from worker_shim.adapters.base import EngineLimits
 from worker_shim.adapters.openai_http import usage_from
 from worker_shim.adapters.zmq_events import ZmqEventSource
+from worker_shim.engine_events import EngineRestarted
 from worker_shim.event_health import EventHealth, EventProblem
 from worker_shim.request_service import engine_requests
 
@@ -234,6 +234,47 @@ async def test_a_prompt_usage_shows_all_cached_is_not_watched() -> None:
     shim.events.close()
 
 
+async def test_a_new_engine_connection_voids_the_judgement_pending() -> None:
+    """Until 2026-12-07 a judgement pending across an engine restart ran on: a request served just
+    before it, its Stored delivered before it was watched, was proven only by the shim holding its
+    block, which the restart voided, so a healthy worker was flagged no_stored and kept out of
+    routing for `retest_s` (every request 503 where it was the only worker)."""
+    health = EventHealth(timeout_s=0.1)
+    held = {1}
+    health.holds = lambda h: h in held
+    health.expect_stored(1, "r1", 1)  # its Stored came before: the shim holds its block
+    held.clear()  # the engine restarted: what the shim held is void
+    health.connected()
+    await asyncio.sleep(0.3)
+    assert health.ok and not health.silent.is_set() and health.reported == 0
+    health.expect_stored(2, "r2", 1)  # the next request served is watched anew
+    await asyncio.sleep(0.3)
+    assert not health.ok and "r2" in health.why
+    health.close()
+
+
+async def test_a_reset_of_the_stream_voids_the_judgement_pending() -> None:
+    """A gap not replayed or a rebuild resets what the shim holds: a request's block held before is
+    no proof after, and the judgement pending would take a healthy engine for a silent one."""
+    shim = WorkerShim(
+        ShimConfig(
+            engine="vllm", engine_url="http://127.0.0.1:1", model="m", kv_events="tcp://*:5557", no_endpoint_probe=True
+        ),
+        NatsSettings(),
+        EtcdSettings(),
+    )
+    shim.limits = EngineLimits(block_size=16)
+    shim.normaliser = Normaliser(16, stats=shim.norm_stats)
+    shim.events.timeout_s = 0.1
+    tokens = list(range(16))
+    await shim._sink(EngineBatch(events=[EngineStored(hashes=[7], parent=None, token_ids=tokens, block_size=16)]))
+    shim._on_served("r1", tokens, "", Usage(prompt_tokens=16, cached_tokens=0))  # its Stored came first
+    await shim._sink(EngineBatch(reset=True, complete=False))
+    await asyncio.sleep(0.3)
+    assert shim.events.ok and shim.events.reported == 0
+    shim.events.close()
+
+
 # --- the ZMQ transport ---------------------------------------------------------------------------------
 
 
@@ -261,10 +302,13 @@ async def test_an_engine_restart_is_said_as_such_and_its_new_connection_ends_no_
         pub = ctx.socket(zmq.PUB)
         pub.bind(f"tcp://127.0.0.1:{port}")  # back, maybe with its events fixed: judged anew
         await wait_for(lambda: health.ok, 5, "a new connection clears both")
+        # Nothing delivered shows the run goes on: the shim starts a new session (EngineRestarted).
+        with pytest.raises(EngineRestarted):
+            await asyncio.wait_for(run, 5)
+        assert health.ok
     finally:
         run.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await run
+        await asyncio.gather(run, return_exceptions=True)
         health.close()
         pub.close(linger=0)
         ctx.term()

@@ -7,9 +7,12 @@ import logging
 
 import nats
 import pytest
+import zmq
+import zmq.asyncio
 from nats.errors import FlushTimeoutError
 
 from discovery import Discovery, Put, Snapshot
+from engine_sim.event_publisher import ZmqEventPublisher
 from engine_sim.server import SimServer
 from protocol import KvStateChunk, KvStateRequest, WorkerInfo, decode_msg, encode_msg, subjects
 from protocol.config import EtcdSettings
@@ -26,12 +29,35 @@ from worker_shim import ShimStatus
 from worker_shim.shim import WorkerShim
 
 
-async def registered_workers(etcd_url: str, ns: str) -> set[str]:
+async def registrations(etcd_url: str, ns: str) -> dict[str, WorkerInfo]:
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
         async for ev in d.watch_workers():
             assert isinstance(ev, Snapshot)
-            return set(ev.items)
+            return ev.items
     raise AssertionError("no snapshot")
+
+
+async def registered_workers(etcd_url: str, ns: str) -> set[str]:
+    return set(await registrations(etcd_url, ns))
+
+
+async def relink(sim: SimServer) -> None:
+    """The sim's PUB link drops and comes back while its engine runs on (a network blip): a new PUB
+    bound where the old one was, the same seq and replay buffer."""
+    publisher = sim._publisher
+    assert isinstance(publisher, ZmqEventPublisher) and publisher._pub is not None and sim.events_endpoint
+    publisher._pub.close(linger=0)
+    pub: zmq.Socket[bytes] = zmq.Context.shadow(zmq.asyncio.Context.instance().underlying).socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    for _ in range(100):  # the closed socket frees its port in ZMQ's I/O thread, a moment later
+        try:
+            pub.bind(sim.events_endpoint)
+            break
+        except zmq.ZMQError:
+            await asyncio.sleep(0.02)
+    else:
+        raise AssertionError(f"could not bind {sim.events_endpoint} again")
+    publisher._pub = pub
 
 
 async def test_sim_crash_deregisters_and_restart_reregisters(ns: str, nats_url: str, etcd_url: str) -> None:
@@ -64,22 +90,61 @@ async def test_sim_crash_deregisters_and_restart_reregisters(ns: str, nats_url: 
         assert await registered_workers(etcd_url, ns) == set()
 
 
-async def test_fast_restart_publishes_cleared_and_converges(ns: str, nats_url: str, etcd_url: str) -> None:
+async def test_a_fast_restart_ends_the_session_and_registers_anew_with_the_new_limits(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Health is checked rarely, so only the event stream can reveal the restart. Until 2026-12-07
+    the shim reset its index and kept its worker id, epoch and record: an engine back with another
+    block size, KV capacity or context length was routed on the old run's (its blocks all dropped
+    as malformed, prompts past its context sent to it). Now the session ends as on an engine death
+    (Cleared, the key revoked) and the worker registers anew, the limits read again."""
     async with SimServer(sim_config()) as sim:
-        # Health is checked rarely, so only the event sequence going back can reveal the restart.
         shim = shim_for(sim, ns, nats_url, etcd_url, health_interval_s=5.0, health_failures=3)
+        async with shim:
+            async with follower_of(shim, ns, nats_url) as follower:
+                first, epoch = shim.worker_id, shim.epoch
+                for p in shared_prefix_prompts(10):
+                    await complete(sim.url, p)
+                await wait_for(lambda: follower.hashes == engine_set(sim) != set(), what="converged")
+                sim.config = sim.config.replace(block_size=32, num_gpu_blocks=64, max_model_len=1024).validate()
+                with caplog.at_level(logging.WARNING, logger="worker_shim.shim"):
+                    await sim.restart()
+                    await wait_for(lambda: shim.registered.is_set() and shim.worker_id != first, what="registered anew")
+                assert shim.epoch != epoch and shim.sessions == 2
+                await wait_for(lambda: follower.cleared >= 1 and not follower.hashes, what="Cleared on the old id")
+            infos, new = await registrations(etcd_url, ns), shim.worker_id
+            assert new is not None and set(infos) == {new}
+            info = infos[new]
+            assert (info.block_size, info.kv_total_blocks, info.max_model_len) == (32, 64, 1024)
+            said = [r for r in caplog.records if "restarted" in r.getMessage()]
+            assert [r.levelno for r in said] == [logging.WARNING]
+            assert sim.url in said[0].getMessage() and "its KV event" in said[0].getMessage()
+            async with follower_of(shim, ns, nats_url) as follower:
+                for p in shared_prefix_prompts(10, seed=5):
+                    await complete(sim.url, p)
+                await wait_for(lambda: shim.canonical_hashes() == engine_set(sim) != set(), what="shim == new pool")
+                await wait_for(lambda: follower.hashes == shim.canonical_hashes(), what="subscriber == shim")
+
+
+async def test_a_reconnect_to_the_same_engine_run_keeps_the_session(ns: str, nats_url: str, etcd_url: str) -> None:
+    """A link that drops and comes back to the same engine run (the replay holds the last seq the
+    shim delivered, with the payload it received) is no restart: same id, epoch and session."""
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url)
         async with shim, follower_of(shim, ns, nats_url) as follower:
+            first, epoch = shim.worker_id, shim.epoch
             for p in shared_prefix_prompts(10):
                 await complete(sim.url, p)
             await wait_for(lambda: follower.hashes == engine_set(sim) != set(), what="converged")
-            await sim.restart()
-            await wait_for(lambda: sim.status.value == "running", what="sim back")
+            cleared = follower.cleared
+            await relink(sim)
+            stats = shim.adapter.event_stats()
+            await wait_for(lambda: shim.adapter.event_stats()["reconnects"] == stats["reconnects"] + 1, what="relinked")
             for p in shared_prefix_prompts(10, seed=5):
                 await complete(sim.url, p)
-            await wait_for(lambda: follower.cleared >= 1, what="Cleared after the restart")
-            await wait_for(lambda: shim.canonical_hashes() == engine_set(sim), what="shim == new pool")
-            await wait_for(lambda: follower.hashes == shim.canonical_hashes(), what="subscriber == shim")
-            assert shim.registered.is_set()
+            await wait_for(lambda: follower.hashes == engine_set(sim), what="converged after the blip")
+            assert (shim.worker_id, shim.epoch, shim.sessions, shim.registered.is_set()) == (first, epoch, 1, True)
+            assert shim.adapter.event_stats()["restarts"] == 0 and follower.cleared == cleared
 
 
 async def test_an_engine_too_busy_to_answer_stays_registered_until_the_busy_limit(

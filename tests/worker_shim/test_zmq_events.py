@@ -24,7 +24,7 @@ from tests.worker_shim.cluster import collector, wait_for
 from worker_shim import EngineBatch, EngineStored, Normaliser
 from worker_shim.adapters import zmq_events
 from worker_shim.adapters.zmq_events import QUIET_PROBE_S, SETTLE_S, ZmqEventSource, resolve_endpoint
-from worker_shim.engine_events import EventSink
+from worker_shim.engine_events import EngineRestarted, EventSink
 
 
 class StandIn:
@@ -100,17 +100,22 @@ async def running(stand_in: StandIn, sink: EventSink) -> AsyncIterator[ZmqEventS
                 await t
 
 
-@contextlib.asynccontextmanager
-async def connected(stand_in: StandIn) -> AsyncIterator[tuple[ZmqEventSource, Normaliser]]:
-    """`running`, what the source delivers folded into a Normaliser."""
-    norm = Normaliser(32)
+def folded(norm: Normaliser) -> EventSink:
+    """A sink folding what the source delivers into `norm`."""
 
     async def sink(batch: EngineBatch) -> None:
         if batch.reset:
             norm.reset(exact=batch.complete)
         norm.apply(batch.events)
 
-    async with running(stand_in, sink) as source:
+    return sink
+
+
+@contextlib.asynccontextmanager
+async def connected(stand_in: StandIn) -> AsyncIterator[tuple[ZmqEventSource, Normaliser]]:
+    """`running`, what the source delivers folded into a Normaliser."""
+    norm = Normaliser(32)
+    async with running(stand_in, folded(norm)) as source:
         yield source, norm
 
 
@@ -237,28 +242,74 @@ async def test_a_reconnect_to_the_same_engine_run_keeps_the_index_though_its_buf
 
 
 @pytest.mark.parametrize(
-    ("batches", "buffer", "exact"),
-    [(5, None, True), (25, None, True), (30, 4, False)],
+    ("batches", "buffer", "held"),
+    [(5, None, "no batch"), (25, None, "another batch"), (30, 4, "no batch")],
     ids=["seq-went-back", "new-run-past-last", "new-run-past-last-buffer-wrapped"],
 )
-async def test_a_reconnect_to_a_restarted_engine_still_rebuilds(
-    engine: BufferedEngine, batches: int, buffer: int | None, exact: bool
+async def test_a_reconnect_to_a_restarted_engine_ends_the_run_before_delivering_the_new_one(
+    engine: BufferedEngine, batches: int, buffer: int | None, held: str
 ) -> None:
     """A restart while the link was down: the replay lacks seq `last`, or holds another run's
-    batch there (its payload differs, if only by its timestamp), so the shim rebuilds from 0."""
+    batch there (its payload differs, if only by its timestamp). Until 2026-12-07 the shim rebuilt
+    from the new run's replay and its session went on with the old run's limits (a restarted engine
+    may have another block size, KV capacity or context length): now the run ends with
+    EngineRestarted, nothing of the new run delivered, and the shim starts a new session."""
     await engine.store(20, live=False)
-    async with connected(engine) as (source, norm):
+    norm = Normaliser(32)
+    source = ZmqEventSource("vllm", engine.shim_endpoint, "auto", "kv-events", engine.replay_endpoint, "127.0.0.1")
+    replay = asyncio.create_task(engine.serve_replay())
+    live = asyncio.Event()
+    run = asyncio.create_task(source.run(folded(norm), live))
+    try:
+        await asyncio.wait_for(live.wait(), 5)
+        engine.connect_pub()
+        await wait_for(lambda: source._connections >= 1, 5, "SUB connected")
         assert (source._last, len(norm)) == (19, 20)
         engine.drop_link()
         engine.restart()
         await engine.store(batches, live=False)  # published while the link was down
         engine.buffer = buffer
         await engine.link()
-        await wait_for(lambda: source._last == batches - 1, 5, "the new run's last seq delivered")
-        assert source.stats.reconnects == 1
-        assert norm.exact is exact
-        # Only the new run: all of it from seq 0, or nothing (a wrapped buffer lacks its root).
-        assert len(norm) == (batches if exact else 0)
+        with pytest.raises(EngineRestarted, match=f"its replay holds {held} at seq 19"):
+            await asyncio.wait_for(run, 5)
+        assert (source.stats.reconnects, source.stats.restarts) == (1, 1)
+        assert (len(norm), norm.exact, source._last) == (20, True, 19), "nothing of the new run delivered"
+    finally:
+        for task in (run, replay):
+            task.cancel()
+        await asyncio.gather(run, replay, return_exceptions=True)
+
+
+async def test_a_reconnect_with_a_rebuild_pending_is_still_judged(engine: BufferedEngine) -> None:
+    """Until 2026-12-07 a reconnection with a rebuild pending (an unknown parent, say) was not
+    judged: the rebuild replayed a restarted engine's new run from 0 into the old run's session."""
+    await engine.store(20, live=False)
+    source = ZmqEventSource("vllm", engine.shim_endpoint, "auto", "kv-events", engine.replay_endpoint, "127.0.0.1")
+    source._ctx = zmq.asyncio.Context()  # as run() sets it: the replay's DEALER is made in it
+    source._last, source._last_digest = 19, zmq_events._digest(engine.sent[19][2])
+    replay = asyncio.create_task(engine.serve_replay())
+    try:
+        engine.restart()
+        await engine.store(25, live=False)
+        source.request_rebuild()
+        with pytest.raises(EngineRestarted, match="another batch at seq 19"):
+            await source._on_reconnect(collector([]))
+    finally:
+        replay.cancel()
+        await asyncio.gather(replay, return_exceptions=True)
+        source._ctx.term()
+
+
+async def test_a_reconnect_with_nothing_to_prove_the_run_goes_on_ends_it() -> None:
+    """No batch delivered yet, or no replay socket to ask: the run cannot be shown to go on."""
+    source = ZmqEventSource("vllm", "tcp://*:5557", "auto", "kv-events", None, "127.0.0.1")
+    with pytest.raises(EngineRestarted, match="before any batch of the engine's run was delivered"):
+        await source._on_reconnect(collector([]))
+    got: list[EngineBatch] = []
+    await _send(source, got, b"kv-events", 0, _payload(_stored(-1, [1, 2, 3, 4])))
+    with pytest.raises(EngineRestarted, match=r"the shim has no replay socket \(--kv-replay\)"):
+        await source._on_reconnect(collector(got))
+    assert source.stats.restarts == 2 and len(got) == 1
 
 
 async def test_the_last_batch_before_a_quiet_spell_lost_on_the_way_is_fetched(
@@ -394,16 +445,27 @@ async def test_sglangs_epoch_topics_are_the_shims_topic_and_its_barriers_hold_no
 @pytest.mark.parametrize("seq", [0, 3], ids=["from-0", "looks-like-the-next"])
 async def test_another_sglang_epoch_is_a_restarted_publisher(seq: int) -> None:
     """A new epoch is a new publisher run: its seq may even look like the next one (the shim missed
-    the new run's start), yet what the shim holds is void."""
+    the new run's start), yet what the shim holds is void. The run ends (EngineRestarted) before
+    any of the new run is delivered: the shim starts a new session (until 2026-12-07 it reset and
+    went on under the old run's limits)."""
     source = ZmqEventSource("sglang", "tcp://*:5557", "auto", "kv", None, "127.0.0.1")
     got: list[EngineBatch] = []
     for i in range(3):
         await _send(source, got, b"kv" + EPOCH + b"run-1", i, _payload(_stored(-10 - i, [i] * 4)))
-    await _send(source, got, b"kv" + EPOCH + b"run-2", seq, _payload(_stored(-20, [7] * 4)))
+    with pytest.raises(EngineRestarted, match="publisher's epoch went from run-1 to run-2"):
+        await _send(source, got, b"kv" + EPOCH + b"run-2", seq, _payload(_stored(-20, [7] * 4)))
     assert source.stats.restarts == 1
-    # The old run's blocks are void; without a replay socket a missed start leaves a partial state.
-    assert [(b.reset, b.complete) for b in got[3:] if b.reset] == [(True, seq == 0)]
-    assert _stored_hashes(got[3:]) == [[-20]]
+    assert len(got) == 3 and not any(b.reset for b in got)
+
+
+async def test_a_live_seq_that_goes_back_is_a_restarted_engine() -> None:
+    source = ZmqEventSource("vllm", "tcp://*:5557", "auto", "kv-events", None, "127.0.0.1")
+    got: list[EngineBatch] = []
+    for i in range(3):
+        await _send(source, got, b"kv-events", i, _payload(_stored(-10 - i, [i] * 4)))
+    with pytest.raises(EngineRestarted, match="seq went back from 2 to 0"):
+        await _send(source, got, b"kv-events", 0, _payload(_stored(-20, [7] * 4)))
+    assert source.stats.restarts == 1 and len(got) == 3
 
 
 async def test_one_malformed_event_is_dropped_alone_counted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -26,17 +26,23 @@ Sequence handling (seq is the engine's, per engine run, from 0):
   live, held by the live socket, is delivered as live; only the missing seqs as replayed); a replay that
   cannot fill it (it starts later than asked, or times out) resets with `complete=False`; so does a
   probe (below) whose replay starts later than the next seq;
-- a seq at or below the last one outside the window right after a replay means the engine restarted:
-  reset, then rebuild from its new run; so does another publisher epoch (SGLang), whatever its seq;
+- a seq at or below the last one outside the window right after a replay means the engine restarted;
+  so does another publisher epoch (SGLang), whatever its seq;
 - a snapshot barrier (SGLang) is counted; it holds no events, but takes a seq like any batch;
 - the SUB socket reconnecting (ZMQ monitor) replays from the last seq delivered: a restarted
   engine's first batches may have gone out before the link was back, and nothing else would reveal
   them. If the replay holds that seq with the payload received live (replayed payloads are
   byte-identical, and each carries its step's timestamp), the engine's run goes on: the batches
   after it are delivered (what the new link holds by then as live) and nothing is reset. Otherwise
-  (the seq went back, the payload differs, or the buffer no longer holds it) the engine restarted,
-  or cannot be shown not to have: rebuild from 0. Rebuilding on every reconnection wiped the index
-  of a long-lived engine, whose buffer (vLLM: the last `buffer_steps` batches) no longer starts at 0;
+  (the seq went back, the payload differs, the buffer no longer holds it, no batch was delivered
+  yet, or there is no replay to ask) the engine restarted, or cannot be shown not to have.
+  Rebuilding on every reconnection wiped the index of a long-lived engine, whose buffer (vLLM: the
+  last `buffer_steps` batches) no longer starts at 0;
+- an engine that restarted (or cannot be shown not to have) ends `run` with EngineRestarted, before
+  any batch of its new run is delivered: a restarted engine may run with another block size, KV
+  capacity or context length, so the shim ends the session and registers anew, reading them again.
+  Until 2026-12-07 the stream was reset and rebuilt from the new run, and an engine back within the
+  shim's health checks kept its worker id and the old run's limits (docs/worker_shim.md);
 - SETTLE_S after every connection, a replay from the next seq fetches what the PUB dropped before
   the subscription reached it: a later batch would reveal that gap, but an engine that then goes
   quiet sends none, and the index would miss those blocks until it did. For the same reason a
@@ -67,7 +73,7 @@ from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.vllm_events import decode_stamped
 from worker_shim.adapters.zmq_bind import UNBINDABLE, BindFailures, socket_for
 from worker_shim.config import KvEventsMode, ShimConfig
-from worker_shim.engine_events import EngineBatch, EngineEvent, EventSink, UnknownEngineEvent
+from worker_shim.engine_events import EngineBatch, EngineEvent, EngineRestarted, EventSink, UnknownEngineEvent
 from worker_shim.event_health import EventHealth, EventProblem
 from worker_shim.unknown_event_types import UnknownEventTypes
 
@@ -334,38 +340,43 @@ class ZmqEventSource:
         return False
 
     async def _on_reconnect(self, sink: EventSink) -> None:
-        """Carry on from the last seq delivered if the engine's run continues it, else rebuild."""
-        if self._rebuild:
-            return  # a requested rebuild, pending, replays from 0 anyway
+        """Carry on from the last seq delivered if the engine's run continues it, else end the run
+        (EngineRestarted). Judged with a rebuild pending too: a rebuild from 0 of a restarted
+        engine's run kept the old run's session."""
         last, digest = self._last, self._last_digest
-        if last is not None and last >= 0 and digest is not None:
-            replayed = await self._replay(last)
-            if replayed is None:
-                await self._deliver_rebuild(None, sink)  # no replay: what a rebuild would do
-                return
-            if replayed and replayed[0][0] == last and _digest(replayed[0][1]) == digest:
-                # The same run: the shim holds all up to `last`. A rebuild from 0 would lose it all
-                # once the engine's buffer has wrapped (vLLM keeps only the last buffer_steps).
-                log.info("%s KV events: peer reconnected; the engine's run continues from seq %d", self.engine, last)
-                # The replay runs to the newest seq: what the new link holds by its answer came live
-                # and is delivered as live, as in _fill_gap. Until 2026-12-07 all of it counted as
-                # replayed, so the live-batch count fell short after every reconnection.
-                queued, came = await self._queued()
-                turn = Turns(SLICE_S)
-                for s, p in replayed[1:]:
-                    await self._deliver(s, p, sink, live=s in came)
-                    await turn.take()
-                self._replayed_until = replayed[-1][0]
-                for frames in queued:  # those delivered just now are duplicates; later ones follow
-                    await self._on_message(frames, sink)
-                    await turn.take()
-                return
+        if last is None or last < 0 or digest is None:
+            raise self._restarted(
+                "its KV event socket reconnected before any batch of the engine's run was delivered, so the run "
+                "cannot be shown to go on"
+            )
+        replayed = await self._replay(last)
+        if replayed is None:
+            no = "the shim has no replay socket (--kv-replay)" if self.replay_address is None else "its replay failed"
+            raise self._restarted(f"its KV event socket reconnected and {no} to show the run goes on")
+        if replayed and replayed[0][0] == last and _digest(replayed[0][1]) == digest:
+            # The same run: the shim holds all up to `last`. A rebuild from 0 would lose it all
+            # once the engine's buffer has wrapped (vLLM keeps only the last buffer_steps).
+            log.info("%s KV events: peer reconnected; the engine's run continues from seq %d", self.engine, last)
+            # The replay runs to the newest seq: what the new link holds by its answer came live
+            # and is delivered as live, as in _fill_gap. Until 2026-12-07 all of it counted as
+            # replayed, so the live-batch count fell short after every reconnection.
+            queued, came = await self._queued()
+            turn = Turns(SLICE_S)
+            for s, p in replayed[1:]:
+                await self._deliver(s, p, sink, live=s in came)
+                await turn.take()
+            self._replayed_until = replayed[-1][0]
+            for frames in queued:  # those delivered just now are duplicates; later ones follow
+                await self._on_message(frames, sink)
+                await turn.take()
+            return
         # Seq `last` gone (the seq went back, or the buffer wrapped past it) or another run's: a
         # restart, or nothing to prove there was none.
-        log.info(
-            "%s KV events: peer reconnected, not provably the same engine run: rebuilding from replay", self.engine
+        held = "another batch" if replayed and replayed[0][0] == last else "no batch"
+        raise self._restarted(
+            f"its KV event socket reconnected and its replay holds {held} at seq {last}, the last the shim "
+            "delivered: not provably the same engine run"
         )
-        await self._deliver_rebuild(await self._replay(0), sink)
 
     def _check_peer(self) -> None:
         since = self._alone_since
@@ -484,25 +495,17 @@ class ZmqEventSource:
             self.stats.barriers += 1  # no events, but its seq is one of the run's like any batch's
         known, last = self._epoch, self._last
         if epoch is not None:
-            self._epoch = epoch
             if known is not None and epoch != known:
                 # A new publisher run, whose seqs start from 0 again: a seq that looks like the next
                 # one, or a gap, is no continuation of what the shim holds.
-                log.warning(
-                    "%s KV events: publisher epoch went from %s to %s: engine restarted",
-                    self.engine,
-                    known.decode(errors="replace"),
-                    epoch.decode(errors="replace"),
-                )
-                await self._restarted(seq, payload, sink)
-                return
+                old, new = known.decode(errors="replace"), epoch.decode(errors="replace")
+                raise self._restarted(f"its KV event publisher's epoch went from {old} to {new}")
+            self._epoch = epoch
         if last is not None and seq <= last:
             if seq <= self._replayed_until:
                 self.stats.duplicates += 1  # already delivered by the replay just before
                 return
-            log.warning("%s KV events: seq went back from %d to %d: engine restarted", self.engine, last, seq)
-            await self._restarted(seq, payload, sink)
-            return
+            raise self._restarted(f"its KV event seq went back from {last} to {seq}")
         if last is not None and seq > last + 1:
             self.stats.gaps += 1
             await self._fill_gap(last + 1, seq, payload, sink)
@@ -520,15 +523,11 @@ class ZmqEventSource:
             return epoch, bool(marker)
         return (None, False) if not rest or not self.topic else None
 
-    async def _restarted(self, seq: int, payload: bytes, sink: EventSink) -> None:
+    def _restarted(self, why: str) -> EngineRestarted:
+        """What ends `run` on a new engine run (counted in `restarts`); said by the shim, which ends
+        the session."""
         self.stats.restarts += 1
-        self._replayed_until = -1
-        if seq == 0:
-            await self._deliver(seq, payload, sink, reset=True, complete=True)
-        else:  # missed the start of the new run
-            await self._deliver_rebuild(await self._replay(0), sink)
-            if self._last is None or seq > self._last:
-                await self._deliver(seq, payload, sink)
+        return EngineRestarted(self.engine, why)
 
     async def _fill_gap(self, first_missing: int, seq: int, payload: bytes, sink: EventSink) -> None:
         # The SUB socket queues what arrives meanwhile, and the replay holds it too (it runs to the
