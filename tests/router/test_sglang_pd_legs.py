@@ -22,6 +22,7 @@ from router.disagg import RoutePlan
 from router.dispatch import Dispatcher, Job
 from router.leg import LegError
 from router.policies import Outcome, Path
+from runtime.nats_flush import flush
 from tests.router.builders import cand, ctx
 from tests.router.test_dispatch import Books, collect
 from tests.worker_shim.cluster import wait_for
@@ -76,7 +77,7 @@ async def _worker(
     stack.push_async_callback(svc.drain, 0)
     await nc.subscribe(subjects.gen(ns, role, name), cb=svc.on_generate)
     await nc.subscribe(subjects.cancel(ns, name), cb=svc.on_cancel)
-    await nc.flush()
+    await flush(nc)
     return Worker(engine, svc)
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from protocol import CancelRequest, encode_msg, subjects
 from protocol.config import EtcdSettings, NatsSettings
+from runtime.nats_flush import flush
 from tests.worker_shim.cluster import wait_for
 from tests.worker_shim.fake_sglang import TOO_LONG, FakeSglang
 from tests.worker_shim.test_request_service import Collector, gen
@@ -57,7 +58,7 @@ async def prefill(nats_url: str, ns: str) -> AsyncIterator[Prefill]:
         subject, cancels = subjects.gen(ns, "prefill", "p1"), subjects.cancel(ns, "p1")
         await shim_nc.subscribe(subject, cb=svc.on_generate)
         await shim_nc.subscribe(cancels, cb=svc.on_cancel)
-        await shim_nc.flush()
+        await flush(shim_nc)
         col = Collector(router_nc)
         await col.start()
         try:
