@@ -36,6 +36,19 @@ from worker_shim.request_service import RequestService
 HANDLE = {"request_type": "context_only", "first_gen_tokens": [42], "ctx_request_id": 77,
           "encoded_opaque_state": "b3BhcXVl", "draft_tokens": None}  # fmt: skip
 PULL_FAILED = "Error in kv cache transfer for generation requests"
+# The C++ (TensorRT engine) executor's refusals of a request its validation failed (executorImpl.cpp
+# Executor::Impl::fetchNewRequests, LlmRequest::validate), as openai_server.py answers them: 400.
+FETCH_REFUSED = "Encountered an error when fetching new request: [TensorRT-LLM][ERROR] "
+CPP_REFUSALS = [
+    # streamed requests only: a streamed generation leg meets it where its non-streamed context leg did not
+    f"{FETCH_REFUSED}Assertion failed: Request sequence length is potentially greater than max input length. This "
+    "cannot be run unless streaming is disabled, context chunking is enabled or the GUARANTEED_NO_EVICT scheduling "
+    "policy is used",
+    f"{FETCH_REFUSED}Prompt length (5000) exceeds maximum input length (4096). Set log level to info and check "
+    "TRTGptModel logs for how maximum input length is set",
+    f"{FETCH_REFUSED}Assertion failed: Request is specified with GuidedDecodingParams, but GuidedDecoder is not "
+    "setup. Please provide a valid GuidedDecodingConfig to setup GuidedDecoder.",
+]
 
 
 def _context_answer(finish: str | None, handle: dict[str, Any], chat: bool = False) -> dict[str, Any]:
@@ -167,6 +180,10 @@ async def test_a_handle_naming_no_context_request_is_a_bad_transfer_handle(handl
             _bad_request("The sum of prompt length (5) ... should not exceed max_seq_len (4096)"),
             400,
         ),
+        *[({}, _bad_request(message), 400) for message in CPP_REFUSALS],  # the C++ executor's validation
+        ({}, _bad_request("Prompt length (5000) exceeds maximum input length (4096)"), 400),
+        ({}, _bad_request("Request sequence length is potentially greater than max input length"), 400),
+        ({}, _bad_request("The sum of prompt length and max_tokens exceeds maximum sequence length (4096)"), 400),
         ({"n": 3, "best_of": 2}, _bad_request("best_of (2) cannot be less than n (3)"), 400),
         ({"n": "3"}, _bad_request("beam width 3 exceeds max_beam_width 1"), 400),
         ({"n": 3}, _bad_request(PULL_FAILED), 500),  # named so, it is the engine's whatever was asked

@@ -199,8 +199,20 @@ _CONTEXT_STOPPED = ("stop", "tool_calls")  # the request's own first token ended
 # e: return self.create_error_response(str(e))`, BadRequestError by default); a failed KV pull
 # (py_executor `_check_cache_transfer_errors`) and a failed step of the C++ executor say so.
 _ENGINE_FAILURES = ("Error in kv cache transfer", "Encountered an error in ")
-# Limits a generation-only leg meets at the client's max_tokens, where its context leg asked for 1.
-_LENGTH_LIMITS = ("max_seq_len", "max_num_tokens")
+# Limits a generation-only leg meets at the client's max_tokens, where its context leg asked for 1: the
+# PyTorch backend's names, and the C++ (TensorRT engine) executor's (LlmRequest::validate, executorImpl.cpp).
+_LENGTH_LIMITS = (
+    "max_seq_len",
+    "max_num_tokens",
+    "maximum input length",
+    "max input length",
+    "maximum sequence length",
+)
+# The C++ executor's answer to a request its validation refused (Executor::Impl::fetchNewRequests: the
+# request's own fields, or an engine set up otherwise than its context peer's), on any leg: never a failed
+# pull, which its validation runs before. Checked asynchronously, so a streamed leg's is a cut stream (no
+# message to read).
+_REQUEST_REFUSED = "Encountered an error when fetching new request:"
 
 
 def check_transfer_handle(transfer: dict[str, Any]) -> None:
@@ -243,7 +255,11 @@ def _leg_failure(leg: LegRequest, exc: EngineError, answered: bool) -> EngineErr
     output) and the shim's failed pulls: a 4xx naming the engine's failure on any leg; on a
     generation-only leg, a stream cut before any output (trtllm-serve's answer to a streamed
     request that failed after its 200), and a 400 to the body its context leg's engine took, but
-    one that may be the client's own (_maybe_the_clients)."""
+    one that may be the client's own (_maybe_the_clients). Never the C++ executor's refusal of a
+    request it validated (_REQUEST_REFUSED): the client's, or an engine configured otherwise than
+    its peer's, and no pull was tried."""
+    if exc.message.startswith(_REQUEST_REFUSED):
+        return exc
     if 400 <= exc.code < 500 and any(words in exc.message for words in _ENGINE_FAILURES):
         return _engine_failed(exc, f"trtllm-serve answered {exc.code}: its engine failed the request")
     if leg.transfer is None or answered:
