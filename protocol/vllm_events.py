@@ -31,6 +31,18 @@ blocks inside its window when they fill, so its BlockStored lists those blocks' 
 `token_ids` still covers the whole range from the parent on (`len(token_ids)` is not
 `block_size * len(block_hashes)` there).
 
+SGLang with `--enable-kv-events-component-types` names each event's KV cache component,
+`component_type` ("full", "swa", "mamba"; mem_cache/events.py KVCacheEventRecorder, which sends
+BlockStoredWithComponentType and BlockRemovedWithComponentType): a field of an event map, and in
+the positional form, where a field added to BlockStored keyword-only (as BlockStoredWithMetadata
+adds its map) goes, right after `medium` and before the metadata map:
+`[..., medium, "mamba"(, {"cache_salt": "x"})]`, `["BlockRemoved", block_hashes, medium, "mamba"]`.
+vLLM's positional form has `lora_name` and `group_idx` there, so an array is read so only when the
+reader says it is SGLang's (`engine="sglang"`) and the array ends there (SGLang's longer layout
+keeps vLLM's order). "full" is the chain of pages as any engine sends it; a Mamba checkpoint is one
+BlockStored per radix node, with no parent, naming the node's last page (its hash and tokens).
+vLLM 0.32 sends no such field (a hybrid model's events name their KV cache group, `group_idx`).
+
 SGLang with EAGLE keys its radix cache by bigrams and sends each page's `token_ids` as pairs
 `[[t0, t1], [t1, t2], ...]`: pair j starts with the page's own token j, so such a list is read as
 those first elements (a BigramTokenIds, which says so downstream).
@@ -111,12 +123,15 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=T
     kv_cache_spec_sliding_window: int | msgspec.UnsetType = msgspec.UNSET
     # The request's cache_salt where the engine names it (SGLang); vLLM's is in extra_keys only.
     cache_salt: str | msgspec.UnsetType = msgspec.UNSET
+    # SGLang's KV cache component, where it names one; vLLM names none.
+    component_type: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, gc=False):
     block_hashes: list[int]
     medium: str | None = MEDIUM_GPU
     group_idx: int = 0
+    component_type: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
@@ -139,14 +154,19 @@ _encoder = msgspec.msgpack.Encoder()
 
 def _array_form(event: KVEvent) -> list[Any]:
     # The older positional form ends at `medium` (lora_name and later fields came with the maps);
-    # a salted block then carries SGLang's metadata map.
+    # SGLang's component, then a salted block's metadata map, follow it.
     if isinstance(event, BlockStored):
         e = event
         out = ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium]
+        out += _component_field(e)
         return out if e.cache_salt is msgspec.UNSET else [*out, {"cache_salt": e.cache_salt}]
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", event.block_hashes, event.medium]
+        return ["BlockRemoved", event.block_hashes, event.medium, *_component_field(event)]
     return ["AllBlocksCleared"]
+
+
+def _component_field(event: BlockStored | BlockRemoved) -> list[str]:
+    return [] if event.component_type is msgspec.UNSET else [event.component_type]
 
 
 def encode_batch(ts: float, events: Sequence[KVEvent], *, form: str = "map", data_parallel_rank: int = 0) -> bytes:
@@ -177,6 +197,12 @@ _ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
     ),
     "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
+}
+# SGLang's component-typed events: its label right after `medium`, where vLLM's has lora_name and
+# group_idx; keyed by (type, positional fields after the tag, the metadata map left out).
+_SGLANG_COMPONENT_FIELDS: dict[tuple[str, int], tuple[str, ...]] = {
+    ("BlockStored", 7): (*_ARRAY_FIELDS["BlockStored"][:6], "component_type"),
+    ("BlockRemoved", 3): ("block_hashes", "medium", "component_type"),
 }
 
 
@@ -218,8 +244,9 @@ class UnknownEventType(ProtocolError):
         super().__init__(_WHAT, f"unknown event type {_shown(event_type)}", "unknown event type")
 
 
-def _fields(raw: Any) -> tuple[str, dict[str, Any]]:
-    """(event type, fields by name) for either event form."""
+def _fields(raw: Any, engine: str) -> tuple[str, dict[str, Any]]:
+    """(event type, fields by name) for either event form; `engine` "sglang" reads its positional
+    component field."""
     if isinstance(raw, dict):
         kind = raw.get("type")
         if not isinstance(kind, str):
@@ -229,7 +256,8 @@ def _fields(raw: Any) -> tuple[str, dict[str, Any]]:
         values = list(raw[1:])
         # SGLang's metadata map follows the positional fields (msgspec's kw_only field, encoded last).
         metadata = values.pop() if values and isinstance(values[-1], dict) else None
-        fields = dict(zip(_ARRAY_FIELDS.get(raw[0], ()), values, strict=False))
+        names = _SGLANG_COMPONENT_FIELDS.get((raw[0], len(values))) if engine == "sglang" else None
+        fields = dict(zip(names or _ARRAY_FIELDS.get(raw[0], ()), values, strict=False))
         return raw[0], fields if metadata is None else {**fields, "metadata": metadata}
     raise ProtocolError(_WHAT, f"an event must be a map or a tagged array, got {type(raw).__name__}", "event type")
 
@@ -268,7 +296,13 @@ def _stored(f: dict[str, Any]) -> BlockStored:
         kv_cache_spec_kind=_optional(f, "kv_cache_spec_kind", str, SPEC_KIND),
         kv_cache_spec_sliding_window=_optional(f, "kv_cache_spec_sliding_window", int) or msgspec.UNSET,
         cache_salt=_named_salt(f),
+        component_type=_component(f),
     )
+
+
+def _component(f: dict[str, Any]) -> str | msgspec.UnsetType:
+    component = _optional(f, "component_type", str)
+    return msgspec.UNSET if component is None else component
 
 
 def _named_salt(f: dict[str, Any]) -> str | msgspec.UnsetType:
@@ -280,8 +314,8 @@ def _named_salt(f: dict[str, Any]) -> str | msgspec.UnsetType:
     return msgspec.UNSET if salt is None else salt
 
 
-def _event(raw: Any) -> KVEvent:
-    kind, f = _fields(raw)
+def _event(raw: Any, engine: str) -> KVEvent:
+    kind, f = _fields(raw, engine)
     if kind == "BlockStored":
         return _stored(f)
     if kind == "BlockRemoved":
@@ -292,27 +326,29 @@ def _event(raw: Any) -> KVEvent:
             block_hashes=[_hash(h) for h in hashes],
             medium=_optional(f, "medium", str),
             group_idx=_optional(f, "group_idx", int, 0),
+            component_type=_component(f),
         )
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise UnknownEventType(kind)
 
 
-def decode_batch(payload: bytes) -> EventBatch:
+def decode_batch(payload: bytes, engine: str = "vllm") -> EventBatch:
     """Any form of batch and event to typed events; raises ProtocolError for anything malformed.
-    Events of a type this version does not know are left out, as unknown fields are.
+    Events of a type this version does not know are left out, as unknown fields are. `engine`
+    "sglang" reads SGLang's positional component field (above); any other, vLLM's layout.
 
     Hashes come back as ints whatever their wire type; fields an older form lacks take the
     defaults, except `medium`, which stays None when not sent.
     """
-    batch, errors = decode_events(payload)
+    batch, errors = decode_events(payload, engine)
     malformed = [e for e in errors if not isinstance(e, UnknownEventType)]
     if malformed:
         raise malformed[0]
     return batch
 
 
-def decode_events(payload: bytes) -> tuple[EventBatch, list[ProtocolError]]:
+def decode_events(payload: bytes, engine: str = "vllm") -> tuple[EventBatch, list[ProtocolError]]:
     """As decode_batch, but an event that cannot be read is left out and its error returned, so it
     does not void the other events of its batch; a batch that cannot be read still raises. An
     event of a type it does not know is left out with an UnknownEventType among the errors."""
@@ -334,7 +370,7 @@ def decode_events(payload: bytes) -> tuple[EventBatch, list[ProtocolError]]:
     errors: list[ProtocolError] = []
     for item in events:
         try:
-            decoded.append(_event(item))
+            decoded.append(_event(item, engine))
         except ProtocolError as exc:
             errors.append(exc)
     # Odd values of ts or the rank do not void the events: a ts that is no number reads as 0.0,

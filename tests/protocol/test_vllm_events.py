@@ -15,6 +15,7 @@ from protocol.vllm_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVEvent,
     UnknownEventType,
     decode_batch,
     decode_events,
@@ -158,6 +159,56 @@ def test_every_captured_event_is_of_a_known_type(variant: str) -> None:
         assert errors == []
         kinds |= {type(e).__name__ for e in batch.events}
     assert kinds >= {"BlockStored", "BlockRemoved"}
+
+
+_SGLANG_MAMBA = ["BlockStored", [-42], None, [4, 5, 6, 7], 4, None, "GPU", "mamba"]
+_MAMBA = BlockStored(
+    block_hashes=[-42], parent_block_hash=None, token_ids=[4, 5, 6, 7], block_size=4, component_type="mamba"
+)
+
+
+def test_sglangs_component_type_decodes_from_both_forms() -> None:
+    """SGLang's --enable-kv-events-component-types (mem_cache/events.py KVCacheEventRecorder): the
+    label is a field of each map, and in the positional form follows medium, before the metadata
+    map of a salted request (its BlockStoredWithComponentType(AndMetadata) and
+    BlockRemovedWithComponentType). It was ignored in maps, read as lora_name and group_idx in arrays."""
+    names = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "component_type")
+    arrays = [_SGLANG_MAMBA, [*_SGLANG_MAMBA, {"cache_salt": "t"}], ["BlockRemoved", [-42], "GPU", "mamba"]]
+    maps = [
+        {"type": "BlockStored", **dict(zip(names, _SGLANG_MAMBA[1:], strict=True))},
+        {"type": "BlockStored", **dict(zip(names, _SGLANG_MAMBA[1:], strict=True)), "cache_salt": "t"},
+        {"type": "BlockRemoved", "block_hashes": [-42], "medium": "GPU", "component_type": "mamba"},
+    ]
+    expected = [
+        _MAMBA,
+        msgspec.structs.replace(_MAMBA, cache_salt="t"),
+        BlockRemoved(block_hashes=[-42], component_type="mamba"),
+    ]
+    for events in (arrays, maps):
+        assert decode_batch(msgspec.msgpack.encode([1.0, events, 0]), "sglang").events == expected
+
+
+def test_a_vllm_array_names_lora_name_where_sglang_names_its_component() -> None:
+    """vLLM's positional form (before its tagged maps) has lora_name after medium: a LoRA block reads
+    as SGLang's component only from an SGLang engine."""
+    vllm = decode_batch(msgspec.msgpack.encode([1.0, [_SGLANG_MAMBA]])).events
+    assert vllm == [msgspec.structs.replace(_MAMBA, lora_name="mamba", component_type=msgspec.UNSET)]
+    assert decode_batch(msgspec.msgpack.encode([1.0, [["BlockRemoved", [-42], "GPU", 1]]])).events == [
+        BlockRemoved(block_hashes=[-42], group_idx=1)
+    ]
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_a_component_type_round_trips_in_both_forms(form: str) -> None:
+    events: list[KVEvent] = [_MAMBA, BlockRemoved(block_hashes=[-42], component_type="mamba")]
+    assert decode_batch(encode_batch(1.0, events, form=form), "sglang").events == events
+
+
+def test_a_component_type_that_is_no_string_is_malformed() -> None:
+    mamba = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [0] * 4,
+             "block_size": 4, "lora_id": None, "medium": "GPU", "component_type": 2}  # fmt: skip
+    batch, errors = decode_events(msgspec.msgpack.encode([1.0, [mamba, {"type": "AllBlocksCleared"}], 0]))
+    assert batch.events == [AllBlocksCleared()] and [e.kind for e in errors] == ["component_type type"]
 
 
 @pytest.mark.parametrize(

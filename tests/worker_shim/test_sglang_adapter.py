@@ -33,7 +33,7 @@ from worker_shim.adapters.sglang import (
 )
 from worker_shim.adapters.vllm_events import decode_payload
 from worker_shim.config import ShimConfig, ShimRole
-from worker_shim.engine_events import EngineRemoved, EngineStored
+from worker_shim.engine_events import EngineEvent, EngineRemoved, EngineStored
 from worker_shim.kv_events_config import EngineEventsConfig, parse_kv_events_config
 from worker_shim.normaliser import NormaliserStats
 
@@ -114,6 +114,103 @@ def test_a_salted_page_leaves_its_batchs_unsalted_events_as_they_are() -> None:
     assert isinstance(stored, EngineStored) and stored.salt == ""
     assert removed == EngineRemoved(hashes=[-99], medium="GPU")
     assert isinstance(salted, EngineStored) and salted.salt == chain_salt(cache_salt=SALT)
+
+
+# SGLang with --enable-kv-events-component-types (mem_cache/events.py,
+# KVCacheEventRecorder._record_store_component and _record_remove_component; its test
+# test_kv_events_component_types.py): a radix node of two pages under the root, [H1, H2], as its
+# full and sliding-window chains (coalesced into one event each, as its enqueue does) and as the
+# node's one Mamba checkpoint: no parent, the node's last page hash and tokens.
+H1, H2 = -41, -42
+_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "component_type")
+
+
+def _component_stored(hashes: list[int], tokens: list[int], component: str, form: str) -> list[Any] | dict[str, Any]:
+    values = [hashes, None, tokens, 4, None, "GPU", component]
+    if form == "array":
+        return ["BlockStored", *values]
+    return {"type": "BlockStored", **dict(zip(_FIELDS, values, strict=True))}
+
+
+def _component_removed(hashes: list[int], component: str, form: str) -> object:
+    if form == "array":
+        return ["BlockRemoved", hashes, "GPU", component]
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "component_type": component}
+
+
+def _component_batch(*events: object) -> list[EngineEvent]:
+    return decode_payload(msgspec.msgpack.encode([1.0, list(events), 0]), "sglang")
+
+
+FORMS = ["map", "array"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("mamba_first", [False, True], ids=["full-then-mamba", "mamba-then-full"])
+def test_a_mamba_checkpoint_is_no_root_block_of_the_prompts_it_does_not_start(form: str, mamba_first: bool) -> None:
+    """Read as full attention, the checkpoint was a root block of the node's last page: routers
+    credited any prompt starting [14, 15, 16, 17] with a block the engine cannot reuse, and no
+    counter moved. In the array form its label read as lora_name: every full chain was salted
+    "full", so no prompt's prefix was ever found."""
+    full = _component_stored([H1, H2], TOKENS, "full", form)
+    mamba = _component_stored([H2], TOKENS[4:], "mamba", form)
+    norm = Normaliser(4)
+    norm.apply(_component_batch(*([mamba, full] if mamba_first else [full, mamba])))
+    assert norm.canonical_hashes() == set(block_hashes(TOKENS, 4))
+    assert norm.stats.other_groups == 1
+    assert norm.stats.unknown_parent == norm.stats.malformed == norm.stats.unknown_removed == 0
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_component_removal_takes_only_that_components_blocks(form: str) -> None:
+    """A Mamba checkpoint's and a window's removals name the full chain's hashes: they took the full
+    blocks away (or, in the array form, were malformed, and so was the full chain's own removal)."""
+    norm = Normaliser(4)
+    norm.apply(
+        _component_batch(
+            _component_stored([H1, H2], TOKENS, "full", form),
+            _component_stored([H1, H2], TOKENS, "swa", form),
+            _component_stored([H2], TOKENS[4:], "mamba", form),
+        )
+    )
+    gone = _component_batch(_component_removed([H2], "mamba", form), _component_removed([H1, H2], "swa", form))
+    assert norm.apply(gone) == []
+    assert norm.canonical_hashes() == set(block_hashes(TOKENS, 4))
+    norm.apply(_component_batch(_component_removed([H1, H2], "full", form)))
+    assert norm.canonical_hashes() == set()
+    assert norm.stats.malformed == norm.stats.unknown_removed == 0
+    assert norm.stats.other_groups == 4
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_each_component_kvswitch_does_not_model_is_counted_and_said_once(
+    form: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SWA names no window (vLLM's sliding-window groups do, which the window endpoints need); Mamba
+    and a label kvswitch does not know are not modelled either."""
+    norm = Normaliser(4)
+    window = _component_stored([H1, H2], TOKENS, "swa", form)
+    mamba = _component_stored([H2], TOKENS[4:], "mamba", form)
+    other = _component_stored([H2], TOKENS[4:], "c256", form)
+    with caplog.at_level(logging.WARNING, logger="worker_shim.normaliser"):
+        norm.apply(_component_batch(window, mamba, mamba, window, other, other))
+    said = [r.getMessage() for r in caplog.records]
+    assert [next(k for k in ("'swa'", "'mamba'", "'c256'") if k in m) for m in said] == ["'swa'", "'mamba'", "'c256'"]
+    assert all("which kvswitch does not model" in m for m in said)
+    assert norm.stats.other_groups == 6 and norm.canonical_hashes() == set()
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_labelled_full_chain_is_the_unlabelled_one_salt_and_all(form: str) -> None:
+    """Its BlockStoredWithComponentTypeAndMetadata: the label, then the salted request's metadata map."""
+    event = _component_stored([H1, H2], TOKENS, "full", form)
+    salted = [*event, {"cache_salt": SALT}] if isinstance(event, list) else {**event, "metadata": {"cache_salt": SALT}}
+    (stored,) = _component_batch(salted)
+    assert isinstance(stored, EngineStored) and (stored.group, stored.kind) == (0, "full")
+    assert stored.salt == chain_salt(cache_salt=SALT)
+    norm = Normaliser(4)
+    norm.apply([stored])
+    assert norm.canonical_hashes() == set(block_hashes(TOKENS, 4, salt=chain_salt(cache_salt=SALT)))
 
 
 def test_sglangs_own_kv_events_config_with_a_snapshot_endpoint_is_taken() -> None:

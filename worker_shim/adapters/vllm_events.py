@@ -6,6 +6,15 @@ one, else the id as text) and the request's `cache_salt`: the one SGLang names i
 map, else the one vLLM puts in the first block's `extra_keys` after the adapter's name. That is
 how the router and the request service salt a prompt of that adapter and cache_salt, so a salted
 request's cached prefix is found.
+
+SGLang with `--enable-kv-events-component-types` names each event's KV cache component: each is a
+KV cache group here, numbered as its ComponentType numbers it. Its "full" chain (or an event that
+names none) is what the index keeps. "swa" names no window size, which vLLM's sliding-window groups
+do and the window endpoints need, and "mamba" is one checkpoint per radix node, sent as a root
+block holding the node's last page: kinds kvswitch does not model, which the normaliser counts and
+drops (their hashes are the full chain's, so a Mamba checkpoint read as full was a bogus root
+block, and its removal took the full block away). A label it does not know shares the group after
+them, and is dropped the same way.
 """
 
 from __future__ import annotations
@@ -32,6 +41,10 @@ def to_engine_event(event: KVEvent) -> EngineEvent:
         lora = event.lora_name or ("" if event.lora_id is None else str(event.lora_id))
         salt = chain_salt(lora, _cache_salt(event)) if event.parent_block_hash is None else lora
         window = event.kv_cache_spec_sliding_window
+        if isinstance(event.component_type, str):
+            group, kind = _component(event.component_type)
+        else:
+            group, kind = event.group_idx or 0, _kind(event.kv_cache_spec_kind, window)
         return EngineStored(
             hashes=event.block_hashes,
             parent=event.parent_block_hash,
@@ -39,13 +52,26 @@ def to_engine_event(event: KVEvent) -> EngineEvent:
             block_size=event.block_size,
             salt=salt,
             medium=event.medium,
-            group=event.group_idx or 0,
-            kind=_kind(event.kv_cache_spec_kind, window),
+            group=group,
+            kind=kind,
             window=window if isinstance(window, int) else 0,
         )
     if isinstance(event, BlockRemoved):
-        return EngineRemoved(hashes=event.block_hashes, medium=event.medium, group=event.group_idx or 0)
+        group = _component(event.component_type)[0] if isinstance(event.component_type, str) else event.group_idx
+        return EngineRemoved(hashes=event.block_hashes, medium=event.medium, group=group or 0)
     return EngineCleared()
+
+
+# SGLang's ComponentType (mem_cache/unified_cache/component_type.py), in its order.
+_COMPONENTS = ("full", "swa", "mamba", "c128", "draft")
+
+
+def _component(label: str) -> tuple[int, str]:
+    """(KV cache group, kind) of an SGLang component; a label outside _COMPONENTS takes the group
+    after them, its kind the label."""
+    if label == "full":
+        return 0, FULL
+    return (_COMPONENTS.index(label) if label in _COMPONENTS else len(_COMPONENTS)), label
 
 
 # vLLM's KVCacheSpecKind values whose blocks hold a prompt's whole prefix, and those that hold a
@@ -102,7 +128,7 @@ def decode_stamped(
     """As decode_ranked, with the batch's timestamp (the engine's time.time() when it made the
     batch; 0.0 where the batch has none that reads as a number)."""
     try:
-        batch, errors = decode_events(payload)
+        batch, errors = decode_events(payload, engine)
     except ProtocolError as exc:
         raise EventDecodeError(engine, exc.detail, exc.kind) from exc
     events = [to_engine_event(e) for e in batch.events]
