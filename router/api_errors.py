@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from router.client_connections import ClientConnections
 
 __all__ = [
+    "NO_LOCAL_PREFILL_WHY",
     "ApiError",
     "FrontDoorRunner",
     "json_response",
@@ -144,12 +145,16 @@ def leg_error(exc: LegError, *, streaming: bool = False) -> ApiError:
     if streaming and code == 503:  # a worker was serving it: it failed (502), not "no worker could" (503)
         return ApiError(502, _MIDWAY)
     what = {503: "no worker could serve the request", 504: "the request's deadline passed"}
+    message = what.get(code, "the worker failed while serving the request")
+    if exc.no_local_prefill:  # the prefill's failure, and the decode worker's, are in the router's log
+        message = NO_LOCAL_PREFILL_WHY
     # A worker gone, silent or draining passes as one planning finds excluded does: retry later.
     retry = NO_WORKER_RETRY_S if code == 503 else None
-    return ApiError(code, what.get(code, "the worker failed while serving the request"), retry_after_s=retry)
+    return ApiError(code, message, retry_after_s=retry)
 
 
 _MIDWAY = "the worker serving the request failed while streaming it"
+NO_LOCAL_PREFILL_WHY = "no prefill worker could serve the request for a decode worker that cannot prefill locally"
 _UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
 # vLLM's body for it (its validation handler: "1 validation error:" and the error, type "Bad Request").
 _UNSUPPORTED_MEDIA_TYPE_BODY = _JSON.encode(

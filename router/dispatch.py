@@ -110,7 +110,7 @@ from protocol.messages import ANNOTATION_BYPASS, BAD_TRANSFER_HANDLE, PREFILL_ST
 from router.disagg import RoutePlan
 from router.eligibility import MALFORMED_COOLDOWN_S
 from router.fleet_lines import FleetLines, FleetLog
-from router.leg import MAX_ANSWER_BYTES, SLOW_READER, Leg, LegError, time_up
+from router.leg import MAX_ANSWER_BYTES, NO_LOCAL_PREFILL, SLOW_READER, Leg, LegError, time_up
 from router.policies import Outcome, Path
 from router.prefill_watch import PrefillWatch
 from router.tracing import RequestTracer
@@ -143,9 +143,6 @@ HANDLE_TOO_LARGE = "handle_too_large"
 # A leg not sent: its request's deadline had passed (a stall of this router's loop, a retry or
 # fallback begun at the deadline), where its shim would answer 504 at once, a round trip later
 DEADLINE_PASSED = "deadline_passed"
-# A remote prefill failed for a decode worker that cannot prefill locally (WorkerInfo.local_prefill):
-# retried on another prefill worker, else the client's 503
-NO_LOCAL_PREFILL = "no_local_prefill"
 # What a decode leg may take beyond its prefill leg besides the handle: its own max_tokens (the
 # prefill leg's is 1), with room to spare
 _DECODE_LEG_EXTRA = 64

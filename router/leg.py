@@ -30,6 +30,7 @@ __all__ = [
     "MAX_RESUMES",
     "NATS_LOST",
     "NATS_LOST_WHY",
+    "NO_LOCAL_PREFILL",
     "SLOW_READER",
     "Leg",
     "LegError",
@@ -47,6 +48,9 @@ MAX_ANSWER_BYTES = 256 << 20
 SLOW_READER = "slow_reader"
 NATS_LOST = "nats_lost"
 NATS_LOST_WHY = "the router has lost its NATS connection and is reconnecting: no worker can be reached"
+# A remote prefill failed for a decode worker that cannot prefill locally (WorkerInfo.local_prefill):
+# retried on another prefill worker, else the client's 503 (router.api_errors)
+NO_LOCAL_PREFILL = "no_local_prefill"
 
 
 def time_up(deadline: float) -> bool:
@@ -119,6 +123,11 @@ class LegError(Exception):
     def slow_reader(self) -> bool:
         """The client read the stream too slowly (MAX_QUEUED_BYTES): its fault, not the worker's."""
         return self.kind == SLOW_READER
+
+    @property
+    def no_local_prefill(self) -> bool:
+        """No prefill worker served the request for a decode worker that cannot prefill it locally."""
+        return self.kind == NO_LOCAL_PREFILL
 
     @property
     def malformed(self) -> bool:

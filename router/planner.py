@@ -495,15 +495,17 @@ class Planner:
         """A booked plan avoiding `exclude` (workers already tried), or None when none is left."""
         try:
             failing = self.refresh(ctx, exclude)
+            plan = self._choose(ctx, prefill_failing=failing)
         except PlanError:
             return None
-        return self._book(ctx, self._choose(ctx, prefill_failing=failing))
+        return self._book(ctx, plan)
 
     def _choose(
         self, ctx: RequestContext, prefill_full: Sequence[Candidate] = (), prefill_failing: Sequence[Candidate] = ()
     ) -> RoutePlan:
         plan = self.disagg.plan(ctx, prefill_full=prefill_full, prefill_failing=prefill_failing)
-        assert plan is not None  # refresh() guarantees a decode candidate
+        if plan is None:
+            raise _no_remote_prefill(ctx)
         self.disagg.chosen(plan)
         if (
             plan.outcome in _UNPAIRED
@@ -554,7 +556,8 @@ class Planner:
             failing = self.refresh(ctx)
             ctx.excluded = excluded
             plan = self.disagg.plan(ctx, prefill_failing=failing)
-        assert plan is not None
+        if plan is None:
+            raise _no_remote_prefill(ctx)
         return {
             "model": ctx.model,
             "isl": ctx.isl,
@@ -612,6 +615,18 @@ def standalone_planner(
 def _longest(ctx: RequestContext) -> int:
     """Prompt tokens cached (or pending) on the decode candidate that holds the most of them."""
     return max(map(ctx.cached_tokens, ctx.decode_pool), default=0)
+
+
+def _no_remote_prefill(ctx: RequestContext) -> PlanError:
+    """refresh() left decode candidates, but router.disagg plans none of them: none prefills a
+    bypass (WorkerInfo.local_prefill false) and no prefill worker of its engine serves the request
+    (none left, or one no transfer handle serves: n > 1, prompt logprobs). A prefill worker back or
+    a decode worker that prefills may come within seconds: transient."""
+    return PlanError(
+        503,
+        f"no worker of model {ctx.model} can take the request now: its decode workers cannot prefill locally and "
+        "no prefill worker of their engine can serve it",
+    )
 
 
 def _reasons(left_out: Sequence[Mapping[str, Any]]) -> str:

@@ -17,8 +17,8 @@ from nats.aio.msg import Msg
 from protocol import CancelRequest, GenerateRequest, TransferHandle, decode_msg, subjects
 from protocol.config import RouterSettings
 from protocol.messages import ANNOTATION_BYPASS, ErrorInfo
-from router.dispatch import NO_LOCAL_PREFILL, Dispatcher, Job
-from router.leg import LegError
+from router.dispatch import Dispatcher, Job
+from router.leg import NO_LOCAL_PREFILL, LegError
 from router.policies import Outcome, Path
 from runtime.nats_flush import flush
 from tests.router.test_dispatch import HB, Behaviour, Books, Worker, answer, chunk, collect, job
