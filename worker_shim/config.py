@@ -21,7 +21,7 @@ from protocol.timing import DEFAULT_PROFILE, TimingModel, profile_dir, profile_n
 from protocol.vllm_events import RESOLVED_BY_ENGINE, rank_endpoint
 from protocol.zmq_endpoint import split_endpoint
 from worker_shim.kv_events_config import parse_kv_events_config
-from worker_shim.model_config import kv_bytes_per_token
+from worker_shim.model_config import read_config
 
 __all__ = ["ENGINES", "KV_EVENTS_MODES", "ROLES", "EngineKind", "KvEventsMode", "ShimConfig"]
 
@@ -38,8 +38,6 @@ _ENDPOINT_FORMS = (
     "an address where it connects: tcp://10.0.0.7:5557; an IPv6 one in brackets: tcp://[fd00::7]:5557), "
     "vLLM's tcp://*:0 (the port it bound, read on /kv_event_sources), ipc://PATH or inproc://NAME"
 )
-# An element size for the check of --model-path's config.json, which leaves the dtype to the start.
-_STAND_IN_DTYPE = "fp16"
 MAX_LEASE_TTL = 9_000_000_000  # etcd's MaxLeaseTTL: "too large lease TTL" past it
 _DURATIONS = (
     "reregister_grace_s", "orphan_grace_s", "load_period_s", "events_timeout_s", "drain_grace_s", "health_interval_s",
@@ -325,11 +323,12 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     @staticmethod
     def _check_model_path(path: str) -> None:
-        """Given and wrong is a typo, a missing mount or another model's folder: said at start, not
-        as a WARNING later with the worker registered without its KV size (routers then price its
-        transfers at their default profile's). Its config.json must give what the KV size is made
-        of; the element size may still come from the engine (its cache dtype), known only at start,
-        so a stand-in one is given here. Empty is refused, not read as unset."""
+        """Given and wrong is a typo, a missing mount or a folder that holds no model: said at
+        start, not as a WARNING later with the worker registered without its KV size (routers then
+        price its transfers at their default profile's). Only a config.json that is missing or no
+        JSON object is refused: one whose KV numbers kv_bytes_per_token_of cannot work out is often
+        a real model's (LLaVA-1.5 and Gemma-3 leave them to their classes' defaults, GLM-4 names
+        them its own way), served with the runtime WARNING. Empty is refused, not read as unset."""
         way_out = (
             "give the model's directory (its config.json gives the KV bytes per token), or --kv-bytes-per-token "
             "and no --model-path"
@@ -338,7 +337,7 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError("model_path", path, f"must not be empty: {way_out}")
         if not Path(path).is_dir():
             raise ConfigError("model_path", path, f"not a directory here: {way_out}")
-        _, why = kv_bytes_per_token(path, _STAND_IN_DTYPE)
+        _, why = read_config(path)
         if why:
             raise ConfigError("model_path", path, f"{why}: {way_out}")
 

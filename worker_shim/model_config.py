@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPE_BYTES", "kv_bytes_per_token", "kv_bytes_per_token_of"]
+__all__ = ["DTYPE_BYTES", "kv_bytes_per_token", "kv_bytes_per_token_of", "read_config"]
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -82,8 +82,8 @@ def kv_bytes_per_token_of(cfg: dict[str, Any], cache_dtype: str | None = None) -
     return 2 * layers * kv_heads * head_dim * size, ""
 
 
-def kv_bytes_per_token(model_dir: str | Path, cache_dtype: str | None = None) -> tuple[int | None, str]:
-    """(bytes per token, "") or (None, why) from `model_dir`/config.json."""
+def read_config(model_dir: str | Path) -> tuple[dict[str, Any] | None, str]:
+    """(parsed `model_dir`/config.json, "") or (None, why) when there is none or it is no JSON object."""
     path = Path(model_dir) / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -93,4 +93,12 @@ def kv_bytes_per_token(model_dir: str | Path, cache_dtype: str | None = None) ->
         return None, f"{path} is not readable JSON ({exc})"
     if not isinstance(cfg, dict):
         return None, f"{path} is not a JSON object"
+    return cfg, ""
+
+
+def kv_bytes_per_token(model_dir: str | Path, cache_dtype: str | None = None) -> tuple[int | None, str]:
+    """(bytes per token, "") or (None, why) from `model_dir`/config.json."""
+    cfg, why = read_config(model_dir)
+    if cfg is None:
+        return None, why
     return kv_bytes_per_token_of(cfg, cache_dtype)

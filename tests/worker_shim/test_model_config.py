@@ -123,16 +123,11 @@ def test_a_model_path_that_is_no_directory_is_refused_at_start(tmp_path: Path) -
         (None, "config.json does not exist"),
         ("not json", "config.json is not readable JSON"),
         ([], "config.json is not a JSON object"),
-        ({"num_hidden_layers": 2}, "config.json lacks num_attention_heads / num_key_value_heads"),
-        ({**TINY_LLAMA, "num_hidden_layers": 0}, "config.json has no num_hidden_layers"),
-        ({"num_hidden_layers": 2, "kv_lora_rank": 512}, "kv_lora_rank (MLA) but no qk_rope_head_dim"),
     ],
 )
-def test_a_model_path_whose_config_gives_no_kv_size_is_refused_at_start(
-    config: object, said: str, tmp_path: Path
-) -> None:
-    """Config review of 2026-12-07, finding 5: a directory without config.json, or with one that
-    lacks what the KV size is made of, passed the start, and the worker registered with no KV size
+def test_a_model_path_without_a_config_is_refused_at_start(config: object, said: str, tmp_path: Path) -> None:
+    """Config review of 2026-12-07, finding 5: a directory without a config.json (or with one that
+    is no JSON object: no model's) passed the start, and the worker registered with no KV size
     (routers priced its transfers at their default profile's), said in one WARNING later."""
     if config is not None:
         text = config if isinstance(config, str) else json.dumps(config)
@@ -154,3 +149,64 @@ def test_a_model_path_config_without_a_dtype_leaves_it_to_the_engine(tmp_path: P
     """The element size may be the engine's cache dtype (fp8), known only once the shim asks it."""
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in TINY_LLAMA.items() if k != "torch_dtype"}))
     assert ShimConfig(model="m", kv_events="tcp://*:1", model_path=str(tmp_path)).validate().model_path
+
+
+# Real models' config.json (trimmed) whose KV numbers kv_bytes_per_token_of cannot work out.
+# llava-hf/llava-1.5-7b-hf: text_config leaves num_hidden_layers and the heads to LlamaConfig's defaults.
+LLAVA_1_5 = {
+    "architectures": ["LlavaForConditionalGeneration"],
+    "model_type": "llava",
+    "text_config": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float16"},
+    "torch_dtype": "float16",
+    "vision_config": {"hidden_size": 1024, "model_type": "clip_vision_model", "num_hidden_layers": 24},
+}
+# google/gemma-3-4b-it: text_config leaves the head counts and head_dim to Gemma3TextConfig's defaults.
+GEMMA_3 = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "model_type": "gemma3_text", "num_hidden_layers": 34},
+    "torch_dtype": "bfloat16",
+    "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model", "num_hidden_layers": 27},
+}
+# THUDM/glm-4-9b-chat: its own names (num_layers, multi_query_group_num, kv_channels).
+GLM_4 = {
+    "architectures": ["ChatGLMModel"],
+    "model_type": "chatglm",
+    "num_layers": 40,
+    "num_attention_heads": 32,
+    "multi_query_group_num": 2,
+    "kv_channels": 128,
+    "hidden_size": 4096,
+    "torch_dtype": "bfloat16",
+}
+UNWORKABLE = [
+    (LLAVA_1_5, "config.json has no num_hidden_layers"),
+    (GEMMA_3, "config.json lacks num_attention_heads"),
+    (GLM_4, "config.json has no num_hidden_layers"),
+    ({**TINY_LLAMA, "num_hidden_layers": 0}, "config.json has no num_hidden_layers"),
+    ({"num_hidden_layers": 2, "kv_lora_rank": 512, "torch_dtype": "bf16"}, "(MLA) but no qk_rope_head_dim"),
+]
+
+
+@pytest.mark.parametrize(("config", "why"), UNWORKABLE, ids=["llava-1.5", "gemma-3", "glm-4", "zero-layers", "mla"])
+def test_a_model_path_whose_kv_size_cannot_be_worked_out_is_accepted_at_start(
+    config: dict[str, Any], why: str, tmp_path: Path
+) -> None:
+    """Review of fb2b841, finding 1: these real models' folders were refused at start, where until
+    then the worker served them and registered without its KV size, said in one WARNING."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ShimConfig(model="m", kv_events="tcp://*:1", model_path=str(tmp_path)).validate().model_path
+    value, reason = kv_bytes_per_token(tmp_path)
+    assert value is None and why in reason, reason
+
+
+async def test_a_model_whose_kv_size_cannot_be_worked_out_is_served_with_one_warning(
+    ns: str, nats_url: str, etcd_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAVA_1_5))
+    caplog.set_level(logging.WARNING, logger="worker_shim")
+    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url, model_path=str(tmp_path)) as shim:
+        await shim.registered.wait()
+        assert (await registered(etcd_url, ns)).kv_bytes_per_token is None
+    said = [r.getMessage() for r in caplog.records if "kv_bytes_per_token not registered" in r.getMessage()]
+    assert len(said) == 1 and "no num_hidden_layers" in said[0], said
