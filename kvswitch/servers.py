@@ -5,10 +5,11 @@ users when asked (kvswitch.etcd_auth).
 
 Each server binds 127.0.0.1 on free ports with a temporary store; a port it drew that another
 process binds first is drawn again before `start` returns (`_Server.start`, `_Cluster`). Ready means
-its process listens on every one of its ports (read from /proc: another process's server on a port
-it drew answers the same probe) and its health endpoint answers (nats `/healthz`, etcd `/health`),
-not merely an open port: etcd 3.4 accepts connections well before it can serve. Stop sends SIGTERM,
-waits, then kills; `kill()` is SIGKILL, for failure tests. Children get PR_SET_PDEATHSIG, so a
+its health endpoint answers (nats `/healthz`, etcd `/health`), not merely an open port: etcd 3.4
+accepts connections well before it can serve; and its process, or one descended from it (a wrapper
+script's child), listens on every one of its ports (read from /proc: another process's server on a
+port it drew answers the same probe). Stop sends SIGTERM to its process group and waits for its
+process tree, then kills; `kill()` is SIGKILL, for failure tests. Children get PR_SET_PDEATHSIG, so a
 parent that dies without stopping them does not leave servers behind (Linux only); start them from
 the main thread (or one that lives as long), since the signal follows the starting thread. Each runs
 in a session of its own: a terminal's Ctrl-C (SIGINT to its whole foreground process group) reaches
@@ -272,6 +273,40 @@ def listeners(net: str = "/proc/net") -> list[tuple[str, int, str]]:
     return out
 
 
+def listening_inodes(ports: Collection[int], net: str = "/proc/net") -> dict[str, int]:
+    """{socket inode: port} of the listening TCP sockets on `ports` alone: a poll's cost is then one
+    read of each table, not an address parsed for each of a busy host's thousands of sockets."""
+    out = {}
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(net, table).read_text().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and (port := int(fields[1].rpartition(":")[2], 16)) in ports:
+                    out[fields[9]] = port
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process descended from it (Linux's /proc/<pid>/task/*/children): a server run
+    through a wrapper that does not exec (`#!/bin/sh` then `/usr/bin/etcd "$@"`) is its child."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            for task in Path(f"/proc/{tree[i]}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    tree += [int(child) for child in (task / "children").read_text().split()]
+        i += 1
+    return tree
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` exists and is no zombie (an orphan's reaper may be slow, or none)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def socket_inodes(pid: int | str) -> set[str]:
     """The inodes of the sockets process `pid` holds open (empty where it cannot be read)."""
     inodes = set()
@@ -289,7 +324,7 @@ def port_holders(ports: Sequence[int]) -> list[str]:
 
     For a server that could not bind: a check for a free port cannot see who binds it afterwards.
     """
-    wanted: dict[str, int] = {inode: p for _, p, inode in listeners() if p in ports}
+    wanted = listening_inodes(ports)
     holders: dict[int, str] = {}
     for proc in Path("/proc").iterdir():
         if len(holders) == len(set(wanted.values())):
@@ -576,37 +611,60 @@ class _Server:
             raise PortTaken(said, taken) if taken else ServerError(said)
         # A port it drew may be held by another process's server of its kind (another test worker's
         # etcd) that answers the probe while this one has yet to fail its bind and exit: it was taken
-        # as served, never drawn again, and its URL was that other server's.
-        if self._listens_on_its_ports() and self.healthy():
+        # as served, never drawn again, and its URL was that other server's. The probe first:
+        # /proc/net/tcp costs milliseconds a read on a busy host, so it is read once the probe answers.
+        if self.healthy() and not self._not_its_own():
             self._served = True
             return True
         return False
 
-    def _listens_on_its_ports(self) -> bool:
-        """Whether its process listens on every one of `ports()` (Linux's /proc)."""
+    def _not_its_own(self) -> list[int]:
+        """Its ports that neither its process nor one descended from it (a wrapper's child) listens
+        on (Linux's /proc)."""
         assert self.proc is not None
         if not Path("/proc/net/tcp").exists():
             raise ServerError(f"{self.name}: no /proc/net/tcp to tell its ports are its own (kvswitch needs Linux)")
-        ours = socket_inodes(self.proc.pid)
-        return set(self.ports()) <= {port for _, port, inode in listeners() if inode in ours}
+        ours = set().union(*(socket_inodes(pid) for pid in process_tree(self.proc.pid)))
+        listened = {port for inode, port in listening_inodes(self.ports()).items() if inode in ours}
+        return [port for port in self.ports() if port not in listened]
+
+    def not_its_own_why(self) -> str | None:
+        """Why a server whose start timed out is not ready when its health probe is answered by
+        another process on its port (its own then listens outside its process tree); else None."""
+        if self.proc is None or self.proc.poll() is not None or not (missing := self._not_its_own()):
+            return None
+        if not self.healthy():
+            return None
+        held = "".join(f"; {held}" for held in port_holders(missing))
+        return (
+            f"its health probe is answered, but not by its own process: pid {self.proc.pid} and its children do "
+            f"not listen on port(s) {', '.join(map(str, missing))}{held} (a wrapper script that runs it must keep "
+            "it its child)"
+        )
 
     def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM to its process group (its session's: a wrapper's child too), and wait for each
+        process of its tree to go, killed after `timeout`."""
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        tree = process_tree(proc.pid)  # before the signal: the wrapper's children are orphaned once it exits
+        _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while (
+            stopping := proc.poll() is None or any(_running(pid) for pid in tree[1:])
+        ) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if stopping:
             log.error("%s %s did not stop within %gs of SIGTERM: killed", self.name, self.url, timeout)
-            proc.kill()
+            _signal_group(proc, signal.SIGKILL)
             proc.wait(5)
 
     def kill(self) -> None:
-        """SIGKILL, as a crashed host would go: no goodbye to peers or clients."""
+        """SIGKILL to its process group, as a crashed host would go: no goodbye to peers or clients."""
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
-            proc.kill()
+            _signal_group(proc, signal.SIGKILL)
             proc.wait(5)
 
     def restart(self, timeout: float = 20.0) -> Self:
@@ -669,9 +727,21 @@ def _wait_healthy(servers: Sequence[_Server], timeout: float) -> None:
         if not waiting:
             return
         time.sleep(0.05)
+    late = waiting[0]
+    why = late.not_its_own_why()
     for server in waiting:
         server.stop()
-    raise ServerError(f"{waiting[0].name} not healthy after {timeout:.0f}s: {waiting[0].log_tail()}")
+    if why is not None:
+        raise ServerError(f"{late.name} not ready after {timeout:.0f}s: {why}: {late.log_tail()}")
+    raise ServerError(f"{late.name} not healthy after {timeout:.0f}s: {late.log_tail()}")
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """`sig` to the process group `proc` leads (start_new_session made it), else to `proc` alone."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:  # the group is gone, its leader unreaped
+        proc.send_signal(sig)
 
 
 def _draws_again(exc: PortTaken, drawn: Collection[int], draw: int) -> bool:

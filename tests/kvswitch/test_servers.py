@@ -33,6 +33,7 @@ from kvswitch.servers import (
     free_port,
     free_ports,
     port_range,
+    process_tree,
 )
 
 DRAWS = 30
@@ -406,3 +407,50 @@ def test_a_server_that_ignores_sigterm_is_killed_and_said(caplog: pytest.LogCapt
             os.kill(pid, 0)
     finally:
         nats.close(now=True)
+
+
+def _wrapper(tmp_path: Path, body: str) -> str:
+    script = tmp_path / "wrapper"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize(("kind", "finder"), [(EtcdServer, "find_etcd"), (NatsServer, "find_nats_server")])
+def test_a_server_run_through_a_wrapper_that_does_not_exec_is_ready_and_stopped_whole(
+    kind: type[NatsServer | EtcdServer], finder: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Review of 499c56d, finding 2: only the wrapper's own sockets counted, so such a server was
+    # never ready and its start failed after the whole timeout, "not healthy"
+    real = getattr(servers, finder)()
+    monkeypatch.setattr(servers, finder, lambda: _wrapper(tmp_path, f'{real} "$@"'))
+    server = kind()
+    try:
+        began = time.monotonic()
+        server.start(timeout=8)
+        assert time.monotonic() - began < 8 and server.healthy()
+        assert server.pid is not None
+        child = process_tree(server.pid)[1:]
+        assert len(child) == 1 and Path(f"/proc/{child[0]}/exe").resolve() == Path(real).resolve()
+    finally:
+        server.close()
+    # gone (a zombie at most: its reaper is now PID 1); the wrapper's SIGTERM alone left it running
+    assert not servers._running(child[0])
+
+
+def test_a_probe_answered_by_another_process_on_its_port_times_out_saying_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Its port is given it (never drawn again): the probe another etcd answers is not taken as its
+    # own, and the timeout says so, not "not healthy"
+    with EtcdServer() as other:
+        monkeypatch.setattr(servers, "find_etcd", lambda: _wrapper(tmp_path, "exec sleep 60"))
+        server = EtcdServer(port=other.port)
+        try:
+            with pytest.raises(ServerError) as err:
+                server.start(timeout=1)
+        finally:
+            server.close()
+        said = str(err.value)
+        assert said.startswith("etcd not ready after 1s: its health probe is answered, but not by its own process")
+        assert f"port {other.port} is held by pid {other.pid} (" in said, said
