@@ -88,8 +88,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     ttl = args.response_ttl
     if ttl is not None and not 0 < ttl <= MAX_RESPONSE_TTL_S:
         raise ValueError(
-            f"--response-ttl must be in 1..{MAX_RESPONSE_TTL_S} seconds (a day: above any router's --request-timeout, "
-            f"and nats-server keeps a worker's leave to reply to each request that long), got {ttl}"
+            f"--response-ttl must be in 1..{MAX_RESPONSE_TTL_S} seconds (a day; nats-server keeps a worker's leave to "
+            f"reply to each request that long; give one above every router's --request-timeout, which is below a "
+            f"day), got {ttl}"
         )
 
 

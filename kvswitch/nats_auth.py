@@ -27,6 +27,7 @@ import nkeys
 import yaml
 
 from protocol import subjects
+from protocol.config import MAX_RESPONSE_TTL_S
 from protocol.messages import Role
 
 __all__ = [
@@ -41,11 +42,6 @@ __all__ = [
 
 IdentityRole = Literal["router", "worker"]
 RESPONSE_MAX = 1_000_000
-# The longest `allow_responses` time: a day, far past any request's deadline (the router's
-# --request-timeout, 600 s by default). nats-server keeps a worker's leave to reply to each request
-# until it expires (or RESPONSE_MAX replies), so a longer one is memory for nothing; and past Go's
-# longest duration (~9.2e9 s) nats-server refuses the config ("invalid duration") when it starts.
-MAX_RESPONSE_TTL_S = 86_400
 ENGINE_ROLES: tuple[str, ...] = get_args(Role)
 
 

@@ -32,6 +32,7 @@ from protocol.errors import FLAG_ONLY, ConfigError, VariableError, setting_names
 __all__ = [
     "DISAGG_MODES",
     "MAX_LOAD_PERIOD_S",
+    "MAX_RESPONSE_TTL_S",
     "MIN_LOAD_PERIOD_S",
     "MIN_STREAM_HEARTBEAT_S",
     "PINGS_UNANSWERED",
@@ -68,6 +69,11 @@ DISAGG_MODES: tuple[str, ...] = get_args(DisaggMode)
 # NATS round trip plus one event-loop stall of a busy shim or router, and every leg would end as
 # worker_silent (a 2 ms heartbeat 503s every request).
 MIN_STREAM_HEARTBEAT_S = 0.05
+# The longest reply leave `kvswitch secrets --response-ttl` writes for a worker (kvswitch.nats_auth),
+# a day: nats-server keeps each request's leave until it expires (or its 1,000,000 replies), so a
+# longer one is memory for nothing. The leave must outlive every request it answers, so a router's
+# --request-timeout is refused at this or more: the two bounds are this one number.
+MAX_RESPONSE_TTL_S = 86_400
 # The longest LoadReport period a router honours (router.load_view clamps to it): a shim reporting
 # less often would be taken as silent between its reports, so a longer --load-period-s is refused.
 MAX_LOAD_PERIOD_S = 60.0

@@ -14,7 +14,6 @@ import asyncio
 import ipaddress
 import json
 import logging
-import math
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +21,7 @@ import msgspec
 
 from protocol import ConfigError, subjects
 from protocol.config import (
+    MAX_RESPONSE_TTL_S,
     ConditionalDisaggConfig,
     EtcdSettings,
     NatsSettings,
@@ -203,8 +203,15 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             raise ConfigError("namespace", self.namespace, "must match [A-Za-z0-9_-]+") from exc
         if not 0 <= self.http_port <= 65535:
             raise ConfigError("http_port", self.http_port, "must be in [0, 65535] (0 picks a free port)")
-        if not 0 < self.request_timeout < math.inf:  # 0 or less would time out every request; NaN fails too
-            raise ConfigError("request_timeout", self.request_timeout, "must be a number of seconds > 0")
+        # 0 or less would time out every request; NaN fails too. A day or more would outlive a worker's
+        # leave to reply (kvswitch secrets --response-ttl, at most a day): its late chunks refused.
+        if not 0 < self.request_timeout < MAX_RESPONSE_TTL_S:
+            raise ConfigError(
+                "request_timeout",
+                self.request_timeout,
+                f"must be a number of seconds > 0 and < {MAX_RESPONSE_TTL_S} (a day: kvswitch secrets --response-ttl, "
+                "at most that, must be above it)",
+            )
         if self.index_limit_per_worker < _LEAST_INDEX_LIMIT:
             raise ConfigError(
                 "index_limit_per_worker",

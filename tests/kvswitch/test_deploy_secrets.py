@@ -437,7 +437,11 @@ def test_tls_hosts_of_every_kind_a_certificate_names_are_certified(tmp_path: Pat
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (["--workers", "w0", "--response-ttl", "99999999999999"], "--response-ttl must be in 1..86400 seconds"),
+        (
+            ["--workers", "w0", "--response-ttl", "99999999999999"],
+            "--response-ttl must be in 1..86400 seconds (a day; nats-server keeps a worker's leave to reply to each "
+            "request that long; give one above every router's --request-timeout, which is below a day)",
+        ),
         (["--workers", "w0", "--response-ttl", "0"], "--response-ttl must be in 1..86400 seconds"),
         (["--routers", "r0", "--response-ttl", "600"], "--response-ttl is read with --workers only"),
         (["--workers", "w0", "--etcd-ca", "/etc/hosts"], "--etcd-ca is read with --etcd-endpoint only"),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvswitch.nats_auth import MAX_RESPONSE_TTL_S
 from protocol import ConfigError
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, file_keys, flat_names
 from protocol.errors import FLAG_ONLY
@@ -208,3 +209,16 @@ def test_no_api_keys_beside_an_api_keys_file_is_refused_naming_both(
     assert said.startswith("invalid no_api_keys (--no-api-keys) = True: read without an API keys file only"), said
     assert f"--api-keys-file, KVSWITCH_API_KEYS_FILE gives {keys}" in said
     assert cli.build_config(_args(*argv, "--http-host", "0.0.0.0")).api_keys_file == str(keys)
+
+
+def test_a_request_timeout_no_workers_reply_leave_can_outlive_is_refused() -> None:
+    """Review of fb2b841, finding 3: kvswitch secrets takes --response-ttl up to a day, to be given
+    above every router's --request-timeout, which took any number: a router at 100000 s came up,
+    and a worker's reply to a request older than the leave it was given was refused."""
+    longest = MAX_RESPONSE_TTL_S - 0.5  # the longest leave kvswitch secrets writes is above it
+    assert cli.build_config(_args("--request-timeout", str(longest))).request_timeout_s == longest
+    for too_long in (MAX_RESPONSE_TTL_S, 1e12):
+        with pytest.raises(ConfigError) as err:
+            cli.build_config(_args("--request-timeout", str(too_long)))
+        assert err.value.setting == "request_timeout", err.value
+        assert f"< {MAX_RESPONSE_TTL_S} (a day: kvswitch secrets --response-ttl" in str(err.value), err.value
