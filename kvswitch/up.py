@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvswitch.cluster import POOLS, STOP_GRACE_S, ClusterSpec, LocalCluster, RestartPolicy, shim_argv
+from kvswitch.nats_auth import NatsAuthPlan
 from kvswitch.servers import FREE_PORTS_ENV, ServerError, port_range, symlinked
 from protocol import ConfigError, subjects
 from protocol.config import RouterSettings, resolve
@@ -443,9 +444,29 @@ def _check_router_args(extra: list[str], args: argparse.Namespace, connection: d
         ns.etcd_user, ns.etcd_password = "router", "-"  # LocalCluster._child_env
     try:
         config = router_cli.build_config(ns)
+        if args.secure:
+            _check_response_ttl(config.request_timeout_s)
         return resolve(RouterSettings, cli=config.overrides, file=config.file_settings)
     except ConfigError as exc:
         raise UpFlagError(f"kvswitch up: {exc}") from None
+
+
+def _check_response_ttl(request_timeout_s: float) -> None:
+    """ConfigError for a router deadline at or above the worker reply permission --secure writes
+    (NatsAuthPlan's response TTL): nats-server refuses a worker's replies to a request once it
+    expires, so a request running past it failed. Refused, not a TTL derived from the deadline:
+    up's secure cluster keeps the TTL `kvswitch secrets` writes by default, and that is where a
+    longer one is given (docs/security.md)."""
+    ttl = NatsAuthPlan.response_ttl_s
+    if request_timeout_s >= ttl:
+        raise ConfigError(
+            "request_timeout",
+            request_timeout_s,
+            f"must be < {ttl} s with --secure, the NATS response TTL it writes (a worker's leave to reply to a "
+            f"request): nats-server refuses replies past it, failing longer requests; give --request-timeout below "
+            f"{ttl}, or drop --secure (for a longer one, run your own servers with kvswitch secrets --response-ttl "
+            "above it)",
+        )
 
 
 def _check_pools(args: argparse.Namespace, settings: RouterSettings) -> None:

@@ -383,6 +383,34 @@ def test_the_router_flag_check_still_refuses_connection_env_the_routers_inherit(
         _spec(_up_args(["--agg", "1", "--routing", "random"]))
 
 
+@pytest.mark.parametrize("given", ["flag", "env", "file"])
+def test_secure_refuses_a_router_request_timeout_at_its_response_ttl(
+    given: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--secure writes a worker's reply permission for 900 s: a router deadline at or above it had
+    nats-server refuse the replies of a request running that long, the request failing (however
+    the router is given its --request-timeout)."""
+    argv = ["--agg", "1", "--secure"]
+    if given == "flag":
+        argv += ["--request-timeout", "900"]
+    elif given == "env":
+        monkeypatch.setenv("KVSWITCH_REQUEST_TIMEOUT", "900")
+    else:
+        (tmp_path / "router.toml").write_text("request_timeout = 900.0\n")
+        argv += ["--config", str(tmp_path / "router.toml")]
+    with pytest.raises(SystemExit) as refused:
+        _spec(_up_args(argv))
+    assert refused.value.code == 2
+    message = str(refused.value)
+    assert "request_timeout (--request-timeout, KVSWITCH_REQUEST_TIMEOUT) = 900.0" in message
+    assert "< 900 s with --secure" in message and "kvswitch secrets --response-ttl" in message
+    # Below the TTL, or without --secure (no reply permission), it is taken.
+    monkeypatch.setenv("KVSWITCH_REQUEST_TIMEOUT", "899")
+    assert _spec(_up_args(["--agg", "1", "--secure"])).routers == 1
+    monkeypatch.setenv("KVSWITCH_REQUEST_TIMEOUT", "900")
+    assert _spec(_up_args(["--agg", "1"])).routers == 1
+
+
 def test_up_hears_sigterm_while_it_starts_and_leaves_nothing() -> None:
     # Starting ran on the event loop's thread, so a SIGTERM then waited for the whole cluster to be
     # up (minutes at worst), and a second one left its directories behind.
