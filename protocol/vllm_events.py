@@ -17,8 +17,12 @@ present, as vLLM 0.32 sends them:
 or, in the older positional form (vLLM before the tagged maps, and SGLang), arrays led by the tag,
 the fields in the maps' order: `["BlockStored", block_hashes, parent_block_hash, token_ids,
 block_size, lora_id, medium(, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
-kv_cache_spec_sliding_window, ...)]`, `["BlockRemoved", block_hashes, medium(, group_idx, ...)]`,
-`["AllBlocksCleared"]`; positions past the known ones are ignored. SGLang names a request's
+kv_cache_spec_sliding_window, locality, ownership)]`, `["BlockRemoved", block_hashes, medium(,
+group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window, locality, ownership)]`,
+`["AllBlocksCleared"(, ownership)]` (SGLang's longer layout, its test_kv_events.py
+TestBlockStoredWireFormat: new fields only at the end; locality and ownership are not read). A
+value past those slots that is not null is no field this reader knows: the event is malformed,
+not read short of it. SGLang names a request's
 `cache_salt` in a map after the positional fields (its BlockStoredWithMetadata:
 `[..., medium, {"cache_salt": "x"}]`, or after the longer layout, whose extra_keys then hold the
 salt prefixed for another router), and an event map may carry `cache_salt` by name; vLLM puts it
@@ -38,8 +42,9 @@ the positional form, where a field added to BlockStored keyword-only (as BlockSt
 adds its map) goes, right after `medium` and before the metadata map:
 `[..., medium, "mamba"(, {"cache_salt": "x"})]`, `["BlockRemoved", block_hashes, medium, "mamba"]`.
 vLLM's positional form has `lora_name` and `group_idx` there, so an array is read so only when the
-reader says it is SGLang's (`engine="sglang"`) and the array ends there (SGLang's longer layout
-keeps vLLM's order). "full" is the chain of pages as any engine sends it; a Mamba checkpoint is one
+reader says it is SGLang's (`engine="sglang"`) and the array ends there. On the longer layout the
+label is the field after `ownership` (index 14 of a BlockStored, before its metadata map; 8 of a
+BlockRemoved), read so for SGLang too. "full" is the chain of pages as any engine sends it; a Mamba checkpoint is one
 BlockStored per radix node, with no parent, naming the node's last page (its hash and tokens).
 vLLM 0.32 sends no such field (a hybrid model's events name their KV cache group, `group_idx`).
 
@@ -194,15 +199,28 @@ _ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
         "group_idx",
         "kv_cache_spec_kind",
         "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
     ),
-    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
-    "AllBlocksCleared": (),
+    "BlockRemoved": (
+        "block_hashes",
+        "medium",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+    ),
+    "AllBlocksCleared": ("ownership",),
 }
 # SGLang's component-typed events: its label right after `medium`, where vLLM's has lora_name and
-# group_idx; keyed by (type, positional fields after the tag, the metadata map left out).
+# group_idx, or after the longer layout's last slot; keyed by (type, positional fields after the
+# tag, the metadata map left out).
 _SGLANG_COMPONENT_FIELDS: dict[tuple[str, int], tuple[str, ...]] = {
     ("BlockStored", 7): (*_ARRAY_FIELDS["BlockStored"][:6], "component_type"),
     ("BlockRemoved", 3): ("block_hashes", "medium", "component_type"),
+    ("BlockStored", 14): (*_ARRAY_FIELDS["BlockStored"], "component_type"),
+    ("BlockRemoved", 8): (*_ARRAY_FIELDS["BlockRemoved"], "component_type"),
 }
 
 
@@ -257,7 +275,16 @@ def _fields(raw: Any, engine: str) -> tuple[str, dict[str, Any]]:
         # SGLang's metadata map follows the positional fields (msgspec's kw_only field, encoded last).
         metadata = values.pop() if values and isinstance(values[-1], dict) else None
         names = _SGLANG_COMPONENT_FIELDS.get((raw[0], len(values))) if engine == "sglang" else None
-        fields = dict(zip(names or _ARRAY_FIELDS.get(raw[0], ()), values, strict=False))
+        names = names or _ARRAY_FIELDS.get(raw[0], ())
+        # A newer engine's field there (a component label past the slots read for it) would be lost,
+        # and its event read as another: it is malformed, said, not read short of it.
+        if raw[0] in _ARRAY_FIELDS and any(v is not None for v in values[len(names) :]):
+            raise ProtocolError(
+                _WHAT,
+                f"{raw[0]} has {_shown(values[len(names) :])} past its {len(names)} known positional fields",
+                "unknown positional field",
+            )
+        fields = dict(zip(names, values, strict=False))
         return raw[0], fields if metadata is None else {**fields, "metadata": metadata}
     raise ProtocolError(_WHAT, f"an event must be a map or a tagged array, got {type(raw).__name__}", "event type")
 

@@ -94,9 +94,13 @@ class EngineStored:
 
 @dataclass(slots=True, frozen=True)
 class EngineRemoved:
+    """Blocks the engine dropped from its KV cache `group`; `kind` that group's kind where the
+    event names it (SGLang's component), else None: the group's Stored says it."""
+
     hashes: Sequence[int]
     medium: str | None = None
     group: int = 0
+    kind: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -287,6 +287,8 @@ class Normaliser:
             self._groups[ev.group] = ev.kind
             return ev.kind
         kind = self._groups.get(ev.group)
+        if kind is None and isinstance(ev, EngineRemoved) and ev.kind is not None:
+            return ev.kind  # the removal names its group's kind (an SGLang component): no Stored needed
         if kind is None and ev.group == 0 and not self._groups:
             return FULL  # an engine with one group, before its first Stored since a reset
         return kind

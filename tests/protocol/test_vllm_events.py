@@ -144,19 +144,22 @@ def test_an_event_map_without_a_string_type_is_malformed(kind: object) -> None:
         decode_batch(msgspec.msgpack.encode([1.0, [event]]))
 
 
-@pytest.mark.parametrize("variant", [*sorted(CAPTURES), "sglang"])
-def test_every_captured_event_is_of_a_known_type(variant: str) -> None:
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("variant", [*sorted(CAPTURES), "sglang", "sglang-map"])
+def test_every_captured_event_is_of_a_known_type(variant: str, engine: str) -> None:
     """vLLM 0.32 sends BlockStored, BlockRemoved and AllBlocksCleared (the captures' README), SGLang
-    the same format: none of their events may count as unknown, nor as malformed."""
+    the same format: none of their events may count as unknown, nor as malformed, whichever
+    engine's layout the reader takes, and none reads differently."""
     kinds: set[str] = set()
+    sglang = {"sglang": "zmq_events_raw.jsonl", "sglang-map": "zmq_events_map.jsonl"}
     captured = (
-        frames(FIXTURES.parent / "sglang" / "zmq_events_raw.jsonl")
-        if variant == "sglang"
+        frames(FIXTURES.parent / "sglang" / sglang[variant])
+        if variant in sglang
         else pub_frames(variant, extra=variant == "bs16_patched")
     )
     for f in captured:
-        batch, errors = decode_events(f[2])
-        assert errors == []
+        batch, errors = decode_events(f[2], engine)
+        assert errors == [] and batch == decode_batch(f[2])
         kinds |= {type(e).__name__ for e in batch.events}
     assert kinds >= {"BlockStored", "BlockRemoved"}
 
@@ -196,6 +199,65 @@ def test_a_vllm_array_names_lora_name_where_sglang_names_its_component() -> None
     assert decode_batch(msgspec.msgpack.encode([1.0, [["BlockRemoved", [-42], "GPU", 1]]])).events == [
         BlockRemoved(block_hashes=[-42], group_idx=1)
     ]
+
+
+_SGLANG_LONG = ["BlockStored", [-42], None, [4, 5, 6, 7], 4, None, "GPU", *[None] * 7]  # to ownership
+
+
+def test_sglangs_component_type_decodes_after_its_longer_layout() -> None:
+    """SGLang's test_kv_events.py (TestBlockStoredWireFormat) pins 13 positional fields of a
+    BlockStored (up to locality and ownership, its metadata map at index 14) and 7 of a
+    BlockRemoved, new fields only at the end: a label there was ignored, and a Mamba checkpoint read
+    as a full root block, its removal as the full block's."""
+    removed = ["BlockRemoved", [-42], "GPU", *[None] * 5]
+
+    def read(events: list[object], engine: str) -> list[tuple[object, ...]]:
+        batch = decode_batch(msgspec.msgpack.encode([1.0, events, 0]), engine)
+        return [
+            (type(e).__name__, e.block_hashes, e.component_type, getattr(e, "cache_salt", None))
+            for e in batch.events
+            if not isinstance(e, AllBlocksCleared)
+        ]
+
+    labelled = [[*_SGLANG_LONG, "mamba"], [*_SGLANG_LONG, "mamba", {"cache_salt": "t"}], [*removed, "mamba"]]
+    assert read(labelled, "sglang") == [
+        ("BlockStored", [-42], "mamba", msgspec.UNSET),
+        ("BlockStored", [-42], "mamba", "t"),
+        ("BlockRemoved", [-42], "mamba", None),
+    ]
+    assert read([_SGLANG_LONG, removed], "sglang") == [
+        ("BlockStored", [-42], msgspec.UNSET, msgspec.UNSET),
+        ("BlockRemoved", [-42], msgspec.UNSET, None),
+    ]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize(
+    "event",
+    [
+        [*_SGLANG_LONG, None, "mamba"],
+        [*_SGLANG_LONG, "mamba", {"cache_salt": "t"}, "x"],
+        ["BlockRemoved", [-42], "GPU", *[None] * 5, None, 2],
+        ["AllBlocksCleared", None, "x"],
+    ],
+    ids=["stored", "past-the-map", "removed", "cleared"],
+)
+def test_a_value_past_the_known_positional_fields_is_malformed(event: list[object], engine: str) -> None:
+    """A newer engine's field there is no field this reader knows: the event was read short of it
+    (a label past the known slots ignored, its event read as full), where now it is left out, its
+    error returned for the shim to count and say, and its batch's other events still read."""
+    batch, errors = decode_events(msgspec.msgpack.encode([1.0, [event, ["AllBlocksCleared"]], 0]), engine)
+    assert batch.events == [AllBlocksCleared()]
+    assert [e.kind for e in errors] == ["unknown positional field"]
+    assert not isinstance(errors[0], UnknownEventType) and "known positional fields" in str(errors[0])
+
+
+def test_a_vllm_array_past_its_known_fields_names_no_component() -> None:
+    """Only SGLang's reader takes the field after the longer layout as a component."""
+    batch, errors = decode_events(msgspec.msgpack.encode([1.0, [[*_SGLANG_LONG, "mamba"]]]))
+    assert batch.events == [] and [e.kind for e in errors] == ["unknown positional field"]
+    bad = decode_events(msgspec.msgpack.encode([1.0, [[*_SGLANG_LONG, 2]]]), "sglang")[1]
+    assert [e.kind for e in bad] == ["component_type type"]
 
 
 @pytest.mark.parametrize("form", ["map", "array"])

@@ -129,12 +129,16 @@ def _component_stored(hashes: list[int], tokens: list[int], component: str, form
     values = [hashes, None, tokens, 4, None, "GPU", component]
     if form == "array":
         return ["BlockStored", *values]
+    if form == "long":  # SGLang's longer layout (its 13 positional fields), the label after them
+        return ["BlockStored", *values[:6], *[None] * 7, component]
     return {"type": "BlockStored", **dict(zip(_FIELDS, values, strict=True))}
 
 
 def _component_removed(hashes: list[int], component: str, form: str) -> object:
     if form == "array":
         return ["BlockRemoved", hashes, "GPU", component]
+    if form == "long":  # its 7 positional fields, the label after them
+        return ["BlockRemoved", hashes, "GPU", *[None] * 5, component]
     return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "component_type": component}
 
 
@@ -142,7 +146,7 @@ def _component_batch(*events: object) -> list[EngineEvent]:
     return decode_payload(msgspec.msgpack.encode([1.0, list(events), 0]), "sglang")
 
 
-FORMS = ["map", "array"]
+FORMS = ["map", "array", "long"]
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -180,6 +184,18 @@ def test_a_component_removal_takes_only_that_components_blocks(form: str) -> Non
     assert norm.canonical_hashes() == set()
     assert norm.stats.malformed == norm.stats.unknown_removed == 0
     assert norm.stats.other_groups == 4
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("component", ["swa", "mamba", "c256"])
+def test_a_component_removal_before_any_store_of_it_is_counted_as_that_component(form: str, component: str) -> None:
+    """The removal names its component, so its group's kind is known without a Stored: it was
+    counted as a removal of unknown blocks (unknown_removed), not as a kind kvswitch does not model."""
+    norm = Normaliser(4)
+    norm.apply(_component_batch(_component_stored([H1, H2], TOKENS, "full", form)))
+    norm.apply(_component_batch(_component_removed([H2], component, form)))
+    assert (norm.stats.other_groups, norm.stats.unknown_removed) == (1, 0)
+    assert norm.canonical_hashes() == set(block_hashes(TOKENS, 4))
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -57,8 +57,10 @@ def to_engine_event(event: KVEvent) -> EngineEvent:
             window=window if isinstance(window, int) else 0,
         )
     if isinstance(event, BlockRemoved):
-        group = _component(event.component_type)[0] if isinstance(event.component_type, str) else event.group_idx
-        return EngineRemoved(hashes=event.block_hashes, medium=event.medium, group=group or 0)
+        if isinstance(event.component_type, str):
+            group, kind = _component(event.component_type)
+            return EngineRemoved(hashes=event.block_hashes, medium=event.medium, group=group, kind=kind)
+        return EngineRemoved(hashes=event.block_hashes, medium=event.medium, group=event.group_idx or 0)
     return EngineCleared()
 
 
