@@ -348,6 +348,7 @@ class WorkerShim:
         self._pending_said_at: float | None = None  # when a BindPending session was said at WARNING
         self._engine_load: EngineLoad | None = None  # the last usable reading of the engine's load
         self._engine_load_at: float | None = None  # ... and the time.monotonic() it came back
+        self._iterating_at: float | None = None  # the last reading held while iterations ran (EngineLoad.iterating)
         self._stalled: _Progress | None = None  # where a hung engine stood when its session ended
         self._watch = _Watch(None, time.monotonic())  # the stall watchdog's count (_hung), across sessions
         self._held_since: float | None = None  # when --worker-name or the engine was first found held by another lease
@@ -630,6 +631,8 @@ class WorkerShim:
         it: a stale reading is no news, and stamps no time."""
         with contextlib.suppress(EngineError):
             load = await self.adapter.load()
+            if load.iterating:
+                self._iterating_at = time.monotonic()
             if not load.stale:
                 self._engine_load, self._engine_load_at = load, time.monotonic()
 
@@ -1113,7 +1116,9 @@ class WorkerShim:
             # The last figures again: no time stamped (the stall watchdog then takes progress for
             # unknown), and its counters say nothing of now (reuse, failed pulls). Until 2026-12-07
             # TensorRT-LLM's repeated load read as fresh: a long non-streamed request from idle was
-            # ended as hung.
+            # ended as hung. One held while iterations run is progress (_hung).
+            if load.iterating:
+                self._iterating_at = done
             return
         requests = self.requests
         self.events.hits(
@@ -1657,9 +1662,11 @@ class WorkerShim:
     def _hung(self, now: float) -> str | None:
         """The stall watchdog's look: why the engine is hung (it was marked stalled), where its work
         has not moved for the stall limit on fresh readings; else None. Stale readings, or no work
-        to judge, start the count again."""
+        to judge, start the count again, as does an engine that holds its load reading while it
+        runs iterations (EngineLoad.iterating)."""
         watch, mark, known_at = self._watch, self._progress(), self._known_at(now)
-        if mark is None or watch.progress is None or known_at is None or mark.moved_since(watch.progress):
+        iterating = self._iterating_at is not None and now - self._iterating_at <= self._stale_s()
+        if mark is None or watch.progress is None or known_at is None or iterating or mark.moved_since(watch.progress):
             watch.progress, watch.moved_at = mark, now
             return None
         if known_at - watch.moved_at < self.config.stall_limit_s:
@@ -1669,11 +1676,20 @@ class WorkerShim:
         return f"it made no progress for {still_s:.0f}s (hung)"
 
     def _known_at(self, now: float) -> float | None:
-        """Until when the engine's progress is known: its last load reading's time; None while that
-        is stale (/metrics fails or hangs: its frozen counters are no evidence of a hang)."""
+        """Until when the engine's progress is known: its last load reading's time. While that is
+        stale (/metrics fails, hangs or repeats itself: its frozen counters are no evidence of a
+        hang), now if a leg in flight has streamed output, whose tokens tell progress themselves;
+        else None (a long non-streamed request from idle shows nothing until it ends). Until
+        2026-12-07 stale readings alone were None: a hung TensorRT-LLM executor, whose /metrics
+        answers [] for ever and whose /health says its process is alive, was never caught."""
         at = self._engine_load_at
-        stale_s = max(STALE_READINGS * self.config.health_interval_s, STALE_MIN_S)
-        return at if at is not None and now - at <= stale_s else None
+        if at is not None and now - at <= self._stale_s():
+            return at
+        legs = self.requests.inflight.values() if self.requests is not None else ()
+        return now if any(leg.writer is not None and leg.writer.sent_tokens for leg in legs) else None
+
+    def _stale_s(self) -> float:
+        return max(STALE_READINGS * self.config.health_interval_s, STALE_MIN_S)
 
     def _stall(self, mark: _Progress, still_s: float) -> None:
         load = self._engine_load

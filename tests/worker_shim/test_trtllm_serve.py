@@ -244,7 +244,7 @@ async def test_limits_past_their_wait_fail_the_session_naming_return_perf_metric
                 await adapter.limits()
             assert err.value.code == 503 and "return_perf_metrics" in err.value.message
             with caplog.at_level(logging.WARNING, logger="worker_shim.adapters.trtllm"):
-                held = EngineLoad(stale=True)  # the last load (none yet), repeated
+                held = EngineLoad(stale=True, iterating=True)  # the last load (none yet), repeated; iterations run
                 assert await adapter.load() == held and await adapter.load() == held
             assert len(caplog.records) == 1 and "return_perf_metrics: true" in caplog.records[0].getMessage()
             assert engine.calls == 1  # the held read is joined, not abandoned for a new one

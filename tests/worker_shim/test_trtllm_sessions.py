@@ -6,6 +6,7 @@ a load read that repeats the last one, and a poll answer that is no JSON."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -385,6 +386,121 @@ async def test_a_long_non_streamed_request_from_idle_is_no_hang_and_its_worker_r
                 assert (shim.worker_id, shim.registration_count, shim.serving) == (worker, 1, True)
                 assert during.running == 1  # the shim's own leg, under the repeated idle figures
     await nc.close()
+    assert not [r.getMessage() for r in caplog.records if "no progress" in r.getMessage()]
+
+
+# --- a hung engine ---------------------------------------------------------------------------------
+
+
+class _Streamer:
+    """trtllm-serve streaming one leg: three tokens, then `hang` (its executor runs no iteration
+    again: /metrics, get_stats_async(QUIET), answers [] after QUIET with no iteration, /health says
+    its process is alive) or, `legacy` and busy with other work for `pause_s`, no token for this leg
+    while iterations run (get_stats_async holds /metrics), then the rest."""
+
+    QUIET = 0.3  # get_stats_async's 2 s, shortened
+
+    def __init__(self, *, hang: bool, pause_s: float = 0.0) -> None:
+        self.hang, self.pause_s = hang, pause_s
+        self.paused = asyncio.Event()
+        self.gone = asyncio.Event()  # the test is over: a hung handler returns, so the stand-in stops
+        self.idle = asyncio.Event()  # cleared while iterations run
+        self.idle.set()
+        self.reads = [[STATS]]
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.QUIET)
+        await self.idle.wait()  # held until QUIET passes with no iteration
+        return web.json_response(self.reads.pop(0) if self.reads else [])
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def token(t: int, finish: str | None = None) -> None:
+            choice = {"index": 0, "text": "", "token_ids": [t], "finish_reason": finish}
+            await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+
+        for t in (5, 6, 7):
+            await token(t)
+        self.paused.set()
+        if self.hang:
+            await self.gone.wait()
+            return resp
+        self.idle.clear()
+        await asyncio.sleep(self.pause_s)
+        self.idle.set()
+        await token(8, "length")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    def routes(self) -> dict[str, Any]:
+        kv = iter([[CREATED]])
+
+        async def kv_cache_events(request: web.Request) -> web.Response:
+            await asyncio.sleep(self.QUIET)
+            return web.json_response(next(kv, []))
+
+        return {"/metrics": self.metrics, "/kv_cache_events": kv_cache_events, "/health": _ok,
+                "/v1/completions": self.completions}  # fmt: skip
+
+
+async def _stream_one(
+    engine: _Streamer, ns: str, nats_url: str, etcd_url: str, within_s: float
+) -> tuple[float, Any, bool]:
+    """Stream one leg through a shim on `engine` (stall limit 1.5 s): (seconds from the engine's
+    pause to the leg's end, the final chunk, whether the worker is still registered as it was)."""
+    nc = await nats.connect(nats_url)
+    try:
+        async with _engine(engine.routes()) as url:
+            cfg = ShimConfig(engine="trtllm", engine_url=url, model="m", namespace=ns, health_interval_s=0.1,
+                             stall_limit_s=1.5, load_period_s=0.2)  # fmt: skip
+            try:
+                async with WorkerShim(cfg, *_settings(nats_url, etcd_url)) as shim:
+                    await until(lambda: shim.serving, 10, "registered")
+                    worker = shim.worker_id
+                    assert worker is not None
+                    col = Collector(nc)
+                    await col.start()
+                    req = GenerateRequest(request_id="s", model="m", token_ids=list(range(1, 100)),
+                                          sampling=SamplingParams(max_tokens=4), stream=True)  # fmt: skip
+                    await col.send(subjects.gen(ns, "agg", worker), req)
+                    await asyncio.wait_for(engine.paused.wait(), 5)
+                    t0 = time.monotonic()
+                    final = await col.final("s", timeout=within_s)
+                    took = time.monotonic() - t0
+                    return took, final, (shim.worker_id, shim.registration_count, shim.serving) == (worker, 1, True)
+            finally:
+                engine.gone.set()
+    finally:
+        await nc.close()
+
+
+async def test_a_hung_engine_whose_metrics_answer_empty_is_caught_by_its_streamed_legs(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hung executor runs no iteration: every /metrics answer is [] (stale), and trtllm-serve's
+    /health says only that its process is alive. Until 2026-12-07 stale readings left progress
+    unknown, so the stall watchdog never judged: the leg hung until its deadline (600 s). A leg that
+    has streamed output tells progress itself."""
+    with caplog.at_level(logging.ERROR, logger="worker_shim.shim"):
+        took, final, _ = await _stream_one(_Streamer(hang=True), ns, nats_url, etcd_url, within_s=8)
+    assert final.error is not None and final.error.kind == "engine_unavailable", final
+    assert took < 6, took  # the stall limit (1.5 s), a few readings late at most
+    assert any("no progress" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_streamed_leg_waiting_while_a_held_metrics_shows_iterations_is_no_hang(
+    ns: str, nats_url: str, etcd_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without return_perf_metrics trtllm-serve holds /metrics while iterations run: a held answer
+    is the engine working, so a streamed leg that waits past the stall limit (others' work) is not
+    ended as hung."""
+    monkeypatch.setattr(trtllm, "LOAD_WAIT_S", 0.5)  # 2.5 s upstream: under the stall limit here
+    with caplog.at_level(logging.INFO):
+        _, final, same_worker = await _stream_one(_Streamer(hang=False, pause_s=4.0), ns, nats_url, etcd_url, 10)
+    assert final.error is None and final.finish_reason == "length", final
+    assert same_worker
     assert not [r.getMessage() for r in caplog.records if "no progress" in r.getMessage()]
 
 

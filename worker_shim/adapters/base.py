@@ -182,6 +182,11 @@ class EngineLoad:
     # inflight and transfer queues): no step of the engine's serves them, so the stall watchdog
     # judges none of them (its load reports count them all the same).
     peer_waiting: int = 0
+    # A stale reading because the engine holds its answer while iterations run (TensorRT-LLM without
+    # return_perf_metrics answers /metrics only 2 s after its last iteration): old figures, but
+    # evidence that the engine works (the stall watchdog takes it for progress). A hung executor
+    # runs no iteration, so it answers.
+    iterating: bool = False
 
 
 @dataclass(slots=True)

@@ -391,7 +391,8 @@ class TrtllmAdapter(HttpEngineAdapter):
 
     async def load(self) -> EngineLoad:
         """The newest stats' load; the last one, stale, where the engine answers [] or holds its
-        /metrics answer (busy: it answers once 2 s pass with no iteration; said once)."""
+        /metrics answer (busy: it answers once 2 s pass with no iteration; said once), and then
+        marked iterating: the stall watchdog's evidence that the engine works."""
         body = await self._read_metrics(LOAD_WAIT_S)
         if body is not None:
             self._load = load_from_stats(self._decode("/metrics", body), self._load)
@@ -405,7 +406,7 @@ class TrtllmAdapter(HttpEngineAdapter):
                 self.base,
                 LOAD_WAIT_S,
             )
-        return replace(self._load, stale=True)
+        return replace(self._load, stale=True, iterating=True)
 
     async def run_events(self, sink: EventSink, live: asyncio.Event) -> None:
         """EngineCold for a 500 before the first answer (a trtllm-serve that has served nothing)."""
