@@ -253,6 +253,34 @@ async def test_limits_past_their_wait_fail_the_session_naming_return_perf_metric
             await adapter.close()
 
 
+async def test_limits_held_stand_for_an_answer_held_past_their_wait(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A busy engine without return_perf_metrics holds /metrics while its load lasts: with limits
+    held from an earlier answer (the same engine: a restart drops them), a new session takes them,
+    said once. Until 2026-12-07 it failed with 503 and was retried until the load paused: any
+    session restart took a loaded worker out for its busy period."""
+    engine = _IterStats()
+    async with _engine({"/metrics": engine.metrics}) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+            await engine.traffic(0.1)
+            read = await adapter.limits()  # answered 2 s after the last iteration
+            assert (read.block_size, read.kv_total_blocks) == (TPB, 512)
+            monkeypatch.setattr(trtllm, "LOAD_WAIT_S", 0.3)  # the wait with limits held; 2.5 s upstream
+            traffic = asyncio.create_task(engine.traffic(1.5))
+            with caplog.at_level(logging.WARNING, logger="worker_shim.adapters.trtllm"):
+                t0 = time.monotonic()
+                assert await adapter.limits() == read and await adapter.limits() == read
+                assert time.monotonic() - t0 < 1.0  # not LIMITS_WAIT_S (30 s), which is for limits unknown
+            said = [r.getMessage() for r in caplog.records]
+            assert len(said) == 1 and "takes the limits read before" in said[0], said
+            await traffic
+        finally:
+            await adapter.close()
+
+
 # --- token-id legs ---------------------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@
   Without `return_perf_metrics` trtllm-serve answers `/metrics` only once 2 s pass with no new
   iteration (`get_stats_async(2)`), so under steady load it holds the answer while the load lasts:
   one read is in flight at a time, and a `load()` it keeps waiting reports the last load, stale
-  (busy, not down).
+  (busy, not down), and a `limits()` with limits held takes them.
 - Requests: the client's own OpenAI request (openai_http.pass_through_body), or a token-id leg
   (refused with a `cache_salt`: its CompletionRequest has none; `detokenize: false`, without which
   trtllm-serve returns text and no token ids).
@@ -315,6 +315,7 @@ class TrtllmAdapter(HttpEngineAdapter):
         self._load = EngineLoad()
         self._metrics: asyncio.Task[bytes] | None = None  # the /metrics read in flight
         self._held_said = False
+        self._held_limits_said = False
         # The engine's limits as last read: its /metrics hands each stat out once, so an idle engine
         # answers [] to the next session. Dropped when it may have restarted (health(), run_events).
         self._limits: EngineLimits | None = None
@@ -360,13 +361,28 @@ class TrtllmAdapter(HttpEngineAdapter):
 
     async def limits(self) -> EngineLimits:
         """The limits in the newest iteration stats, or those held from the engine's last answer
-        with stats (an idle engine answers []); EngineCold where neither is (it has served nothing
-        yet). A /metrics of another kind of engine (vLLM's or SGLang's Prometheus text) is a wrong
-        --engine, and an engine whose KV events came from several attention data-parallel ranks
-        (the session that saw them ended) is refused."""
+        with stats (an idle engine answers [], a busy one without return_perf_metrics holds its
+        answer: LOAD_WAIT_S is waited then, LIMITS_WAIT_S with none held); EngineCold where
+        neither is (it has served nothing yet). A /metrics of another kind of engine (vLLM's or
+        SGLang's Prometheus text) is a wrong --engine, and an engine whose KV events came from
+        several attention data-parallel ranks (the session that saw them ended) is refused."""
         if len(self.tracker.ranks) > 1:
             raise attention_dp_error(self.tracker.ranks)
-        body = await self._read_metrics(LIMITS_WAIT_S)
+        held = self._limits
+        body = await self._read_metrics(LIMITS_WAIT_S if held is None else LOAD_WAIT_S)
+        if body is None and held is not None:
+            # Held: the engine runs iterations, so it is the one whose limits are held (a restart
+            # drops them). Until 2026-12-07 a 503: any new session took a loaded worker out for
+            # its busy period.
+            if not self._held_limits_said:
+                self._held_limits_said = True
+                log.warning(
+                    "%s/metrics held its answer for %.1fs while the engine works (trtllm-serve without "
+                    "return_perf_metrics): the session takes the limits read before; set return_perf_metrics: true",
+                    self.base,
+                    LOAD_WAIT_S,
+                )
+            return held
         if body is None:
             raise EngineError(
                 503,
