@@ -1284,7 +1284,10 @@ class WorkerShim:
     async def _wait_live(self, live: asyncio.Event, *, warmed: bool = False) -> bool:
         """Whether the session's events went live. A stream that fails as an engine's that has
         served nothing yet (EngineCold) starts again once the engine served a one-token request; if
-        it fails so again, the session fails (retried, after a wait that grows)."""
+        it fails so again, the session fails (retried, after a wait that grows). Such an engine is
+        a fresh one, which may have restarted with other limits than those the session took from
+        the last (held by the adapter): they are read again after the warm-up, and where they
+        differ the session ends before it registers, and the next one takes them."""
         assert self._events_task is not None
         waiter = asyncio.create_task(live.wait())
         stopping = asyncio.create_task(self._stopping.wait())
@@ -1302,6 +1305,10 @@ class WorkerShim:
                 if warmed:
                     raise EngineError(503, "engine_unavailable", f"{failure.message}; still so after it served one")
                 await self._warm_up(failure)
+                if (limits := await self._check_limits()) != self.limits:
+                    log.info("the engine at %s is a fresh one with other limits (%s, not %s): the session "
+                             "starts again", self.config.engine_url, limits, self.limits)  # fmt: skip
+                    return False
                 self._events_task = asyncio.create_task(self.adapter.run_events(self._sink, live), name="engine-events")
                 return await self._wait_live(live, warmed=True)
             if isinstance(failure, BindPending):

@@ -6,6 +6,7 @@ a load read that repeats the last one, and a poll answer that is no JSON."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -26,7 +27,7 @@ from tests.worker_shim.test_trtllm_adapter import CREATED, stored
 from tests.worker_shim.test_trtllm_serve import TPB, USABLE, _engine, chopped
 from worker_shim import ShimConfig, ShimStatus, WorkerShim
 from worker_shim.adapters import trtllm
-from worker_shim.adapters.base import EngineCold, EngineHealth
+from worker_shim.adapters.base import EngineCold, EngineError, EngineHealth
 from worker_shim.adapters.trtllm import TrtllmAdapter
 from worker_shim.engine_events import EngineBatch, EngineStored
 
@@ -233,6 +234,84 @@ async def test_the_limits_read_hold_for_an_idle_engines_empty_answers_until_it_m
             task.cancel()
             with pytest.raises(EngineCold):
                 await adapter.limits()
+        finally:
+            await adapter.close()
+
+
+async def test_an_engine_restarted_cold_with_other_limits_registers_with_its_own(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine behind the URL is replaced, unseen by /health, by one with another block size
+    that has served nothing (its /metrics answers [], so the held limits stood): its events' 500
+    shows a fresh engine, whose limits are read after the warm-up, before registering. Until
+    2026-12-07 the worker registered with the old ones, and every event was dropped ("block_size
+    ... differs")."""
+    old = _Fresh(stats_first=True)
+    new = _Restarted()
+    engine: dict[str, Any] = {"now": old, "proxy_page": False}
+
+    async def route(name: str, request: web.Request) -> web.StreamResponse:
+        if name == "events" and engine["proxy_page"]:  # the session ends on a 502, no transport error
+            engine["proxy_page"], engine["now"] = False, new  # ... as the engine is replaced
+            return web.Response(status=502, text="Bad Gateway")
+        answer: web.StreamResponse = await getattr(engine["now"], name)(request)
+        return answer
+
+    paths = {"/metrics": "metrics", "/kv_cache_events": "events", "/v1/completions": "completions"}
+    routes = {path: functools.partial(route, name) for path, name in paths.items()}
+    async with _engine({**routes, "/health": _ok}) as url:
+        cfg = ShimConfig(engine="trtllm", engine_url=url, model="m", namespace=ns, health_interval_s=0.1)
+        with caplog.at_level(logging.INFO, logger="worker_shim.shim"):
+            async with WorkerShim(cfg, *_settings(nats_url, etcd_url)) as shim:
+                await until(lambda: shim.serving, 10, "registered on the first engine")
+                assert (shim.limits.block_size, shim.registration_count) == (TPB, 1)
+                engine["proxy_page"] = True
+                await until(lambda: shim.registration_count == 2 and shim.serving, 10, "registered again")
+                assert (shim.limits.block_size, shim.limits.kv_total_blocks) == (2 * TPB, 1024)
+                assert new.generated == 1
+        assert any("a fresh one with other limits" in r.getMessage() for r in caplog.records)
+
+
+class _Restarted(_Fresh):
+    """A fresh engine with twice the block size and 1,024 blocks."""
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        kv = {"maxNumBlocks": 1024, "usedNumBlocks": 0, "tokensPerBlock": 2 * TPB}
+        return web.json_response([{**STATS, "kvCacheStats": kv}] if self.generated else [])
+
+
+async def test_held_limits_go_with_a_fresh_engines_500_and_an_engine_gone() -> None:
+    """An events poll answered 500 (a fresh engine's stream) or failing on the transport (the
+    engine gone) drops the limits held: the engine next behind the URL may have others."""
+    polls: list[Any] = []
+
+    async def kv_cache_events(request: web.Request) -> web.StreamResponse:
+        poll = polls.pop(0) if polls else []
+        if poll == "500":
+            return web.Response(status=500, text="Internal Server Error")
+        if poll == "cut":
+            assert request.transport is not None
+            request.transport.close()  # the engine's process gone mid-answer
+        return web.json_response(poll)
+
+    reads: list[Any] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response(reads.pop(0) if reads else [])
+
+    async with _engine({"/metrics": metrics, "/kv_cache_events": kv_cache_events}) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+            for failure, raised in (("500", EngineCold), ("cut", EngineError)):
+                reads.append([STATS])
+                assert (await adapter.limits()).block_size == TPB
+                assert (await adapter.limits()).block_size == TPB  # [] now: held
+                polls.append(failure)
+                with pytest.raises(raised):
+                    await adapter.run_events(collector([]), asyncio.Event())
+                with pytest.raises(EngineCold):  # dropped: [] is no limits now
+                    await adapter.limits()
         finally:
             await adapter.close()
 

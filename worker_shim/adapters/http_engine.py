@@ -23,7 +23,7 @@ from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth, 
 from worker_shim.adapters.openai_http import model_cards, post_utility
 from worker_shim.config import ShimConfig
 
-__all__ = ["PROBE_TIMEOUT", "HttpEngineAdapter", "utf8_text"]
+__all__ = ["NETWORK_ERRORS", "PROBE_TIMEOUT", "HttpEngineAdapter", "utf8_text"]
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 _SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_connect=5.0)
@@ -32,7 +32,7 @@ _SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_connect=5
 # engine_unavailable (ServerDisconnectedError), the request never read by the engine.
 POOL_KEEPALIVE_S = 4.0
 # What a connection to the engine can fail with, short of a well-formed HTTP answer.
-_NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class HttpEngineAdapter(EngineAdapter):
                 health = EngineHealth.UP if resp.status == 200 else EngineHealth.DOWN
         except TimeoutError:
             health = EngineHealth.BUSY
-        except _NETWORK_ERRORS as exc:
+        except NETWORK_ERRORS as exc:
             if _out_of_fds(exc):
                 return self._cannot_probe(exc)
             health = EngineHealth.DOWN
@@ -153,7 +153,7 @@ class HttpEngineAdapter(EngineAdapter):
                 if resp.status != 200:
                     raise EngineError(resp.status, "engine_error", f"{self.base}{path} answered {resp.status}")
                 return await resp.read()
-        except _NETWORK_ERRORS as exc:
+        except NETWORK_ERRORS as exc:
             raise EngineError(503, "engine_unavailable", f"{self.base}{path}: {exc!r}") from exc
 
     async def fetch_text(self, path: str) -> str:

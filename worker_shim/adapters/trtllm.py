@@ -18,7 +18,8 @@
   tokensPerBlock, `numActiveRequests` and `numQueuedRequests` the request counts. Reading drains
   the engine's stats queue: an idle engine answers [] again after a read, so the limits read are
   held for the engine's life and stand for a later session's empty answer; a /health that says
-  down or event ids that start over (a restart) drop them. A load read of [] (no iteration since
+  down, an events poll failing on the transport or answered 500 (a fresh engine), or event ids
+  that start over (a restart) drop them. A load read of [] (no iteration since
   the last read, or a buffered /metrics not refilled until a request finishes) is the last load,
   marked stale. Both endpoints drain what they return: the shim must be their only reader.
   Without `return_perf_metrics` trtllm-serve answers `/metrics` only once 2 s pass with no new
@@ -66,7 +67,7 @@ from worker_shim.adapters.base import (
     OnOutput,
     engine_limit,
 )
-from worker_shim.adapters.http_engine import PROBE_TIMEOUT, HttpEngineAdapter
+from worker_shim.adapters.http_engine import NETWORK_ERRORS, PROBE_TIMEOUT, HttpEngineAdapter
 from worker_shim.adapters.openai_http import ENDPOINT_PATHS, StreamCut, pass_through_body, post_completion
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker, attention_dp_error
 from worker_shim.adapters.vllm import completion_body
@@ -436,6 +437,11 @@ class TrtllmAdapter(HttpEngineAdapter):
                 except _NoJson as exc:
                     batch = self.tracker.lost(exc.message, "no JSON")
                 except EngineError as exc:
+                    if exc.code == 500 or isinstance(exc.__cause__, NETWORK_ERRORS):
+                        # A 500 is a fresh engine's (aget_kv_events asserts), a transport error one
+                        # gone: the next may have other limits. Until 2026-12-07 they held, and an
+                        # engine restarted with another block size registered with the old one.
+                        self._limits = None
                     if exc.code == 500 and not answered:
                         raise EngineCold(
                             f"{self.base}/kv_cache_events answered this stream's first poll with a 500: "
