@@ -154,8 +154,9 @@ class EventHealth:
             self.on_change()
 
     def connected(self) -> None:
-        """The event socket has a new peer: maybe a restarted engine, its cause fixed, so its
-        events are judged anew, and the judgements pending are void (`void_judgements`)."""
+        """The event socket has a new peer (a ZMTP handshake, not a bare TCP connection): maybe a
+        restarted engine, its cause fixed, so its events are judged anew, and the judgements
+        pending are void (`void_judgements`)."""
         self.void_judgements()
         self.resolved(EventProblem.NO_CONNECTION, EventProblem.NO_STORED)
         self.on_connected()

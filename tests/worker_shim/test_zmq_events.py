@@ -25,6 +25,7 @@ from worker_shim import EngineBatch, EngineStored, Normaliser
 from worker_shim.adapters import zmq_events
 from worker_shim.adapters.zmq_events import QUIET_PROBE_S, SETTLE_S, ZmqEventSource, resolve_endpoint
 from worker_shim.engine_events import EngineRestarted, EventSink
+from worker_shim.event_health import EventProblem
 
 
 class StandIn:
@@ -239,6 +240,52 @@ async def test_a_reconnect_to_the_same_engine_run_keeps_the_index_though_its_buf
         await wait_for(lambda: source._last == 20, SETTLE_S + 3, "seq 20 delivered")
         assert (len(norm), norm.exact, norm.stats.unknown_parent) == (21, True, 0)
         assert (source.stats.gaps, source.stats.replay_failures) == (0, 0)
+
+
+@pytest.mark.parametrize("sends", [b"", b"GET /health HTTP/1.1\r\n\r\n"], ids=["connect-close", "http-probe"])
+async def test_a_tcp_connection_that_never_speaks_zmtp_is_no_engine_reconnecting(sends: bytes) -> None:
+    """A port check (a tcpSocket liveness probe, nc -z, a scan) on the SUB the shim binds: until
+    2026-12-07 the accepted TCP socket counted as the engine reconnecting, so every check ended the
+    session without --kv-replay (a new worker id every 2 s), asked a replay with it, voided the
+    no_stored judgements pending and cleared a real no_stored. Only a ZMTP handshake makes a peer."""
+    engine = BufferedEngine(pub_binds=False)  # the engine's PUB connects: the shim binds
+    await engine.store(3, live=False)
+    norm = Normaliser(32)
+    source = ZmqEventSource("vllm", engine.shim_endpoint, "auto", "kv-events", engine.replay_endpoint, "127.0.0.1")
+    source.health.problem(EventProblem.NO_STORED, "a real no_stored")
+    source.health.expect_stored(1 << 60, "req-1", 1)  # a judgement pending
+    replay = asyncio.create_task(engine.serve_replay())
+    live = asyncio.Event()
+    run = asyncio.create_task(source.run(folded(norm), live))
+    try:
+        await asyncio.wait_for(live.wait(), 5)
+        engine.connect_pub()
+        await wait_for(lambda: source._connections == 1, 5, "the engine connected")
+        source.health.problem(EventProblem.NO_STORED, "a real no_stored, again")  # the engine's connection cleared it
+        source.health.expect_stored(1 << 60, "req-2", 1)
+        await asyncio.sleep(SETTLE_S + 0.3)  # past the engine connection's settle probe
+        replays = len(engine.replay_requests)
+        for _ in range(3):
+            stray = await asyncio.open_connection("127.0.0.1", engine.port)
+            stray[1].write(sends)
+            await stray[1].drain()
+            stray[1].close()
+            await asyncio.sleep(0.3)
+        await asyncio.sleep(0.5)
+        assert not run.done(), "the run goes on"
+        assert (source._connections, source._peers, source.stats.reconnects, source.stats.restarts) == (1, 1, 0, 0)
+        assert len(engine.replay_requests) == replays, "no replay asked for"
+        assert EventProblem.NO_STORED in source.health.problems, "a real no_stored stays"
+        assert source.health._timers, "the judgement pending stands"
+        assert source._alone_since is None, "the engine is still the socket's peer"
+        await engine.store(1)  # the engine's link still delivers
+        await wait_for(lambda: source._last == 3, 5, "seq 3 delivered live")
+    finally:
+        for task in (run, replay):
+            task.cancel()
+        await asyncio.gather(run, replay, return_exceptions=True)
+        source.health.close()
+        engine.close()
 
 
 @pytest.mark.parametrize(

@@ -29,11 +29,12 @@ Sequence handling (seq is the engine's, per engine run, from 0):
 - a seq at or below the last one outside the window right after a replay means the engine restarted;
   so does another publisher epoch (SGLang), whatever its seq;
 - a snapshot barrier (SGLang) is counted; it holds no events, but takes a seq like any batch;
-- the SUB socket reconnecting (ZMQ monitor) replays from the last seq delivered: a restarted
-  engine's first batches may have gone out before the link was back, and nothing else would reveal
-  them. If the replay holds that seq with the payload received live (replayed payloads are
-  byte-identical, and each carries its step's timestamp), the engine's run goes on: the batches
-  after it are delivered (what the new link holds by then as live) and nothing is reset. Otherwise
+- the SUB socket reconnecting (ZMQ monitor: a peer whose ZMTP handshake succeeded) replays from
+  the last seq delivered: a restarted engine's first batches may have gone out before the link was
+  back, and nothing else would reveal them. If the replay holds that seq with the payload received
+  live (replayed payloads are byte-identical, and each carries its step's timestamp), the engine's
+  run goes on: the batches after it are delivered (what the new link holds by then as live) and
+  nothing is reset. Otherwise
   (the seq went back, the payload differs, the buffer no longer holds it, no batch was delivered
   yet, or there is no replay to ask) the engine restarted, or cannot be shown not to have.
   Rebuilding on every reconnection wiped the index of a long-lived engine, whose buffer (vLLM: the
@@ -93,6 +94,12 @@ QUIET_PROBE_S = 1.0
 # barrier's = that + BARRIER_MARKER + its id (sglang/srt/disaggregation/kv_events.py).
 EPOCH_MARKER = b"\x00sgl-kv-epoch="
 BARRIER_MARKER = b"\x00sgl-kv-snapshot="
+# A connection's ZMTP handshake, succeeded (a peer) or failed (no peer: its disconnection, which
+# libzmq's one I/O thread reports right after, is no peer's either).
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
 
 
 def _digest(payload: bytes) -> bytes:
@@ -231,6 +238,7 @@ class ZmqEventSource:
         self._rebuild = False
         self._connections = 0
         self._peers = 0
+        self._handshake_failed = False  # the next disconnection is that connection's (no peer)
         self._alone_since: float | None = None
         self._probed = False
         self._settle_at: float | None = None
@@ -247,7 +255,10 @@ class ZmqEventSource:
         # Connection events: a peer that reconnects may be a restarted engine whose first batches
         # went out before the link was back, so every reconnection is checked against a replay; no
         # peer for long is a wrong endpoint or side, or, once one was connected, an engine restarting.
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        # A peer is one whose ZMTP handshake succeeded: a TCP connection that never speaks ZMTP (a
+        # port check, nc -z, a scan) is accepted by a bound SUB too, and until 2026-12-07 each one
+        # counted as the engine reconnecting (without --kv-replay: a new worker id every time).
+        monitor = sub.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
         self._alone_since = time.monotonic()
         try:
             if self.bind:
@@ -324,7 +335,13 @@ class ZmqEventSource:
             reconnected |= self._on_connection_event(parse_monitor_message(frames)["event"])
 
     def _on_connection_event(self, event: int) -> bool:
+        if event & HANDSHAKE_FAILED:
+            self._handshake_failed = True
+            return False
         if event == zmq.EVENT_DISCONNECTED:
+            if self._handshake_failed:  # the connection whose handshake failed just now: no peer
+                self._handshake_failed = False
+                return False
             self._peers = max(0, self._peers - 1)
             if self._peers == 0:
                 self._alone_since = time.monotonic()
