@@ -396,6 +396,8 @@ class WorkerShim:
         max_legs = leg_cap(self.config.max_inflight_legs)  # before anything opens: a refusal leaks nothing
         if (untimed := self.config.timing_warning()) is not None:
             log.warning("%s", untimed)
+        if not self._discovers_events and self.config.engine != "trtllm" and self.config.kv_replay is None:
+            self._warn_no_replay()
         try:
             await self.http.start()
         except OSError as exc:
@@ -540,6 +542,19 @@ class WorkerShim:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait):
                 await self._stopping.wait()
+
+    def _warn_no_replay(self) -> None:
+        """Without a replay endpoint nothing shows that a reconnection of the event socket is to the
+        same engine run, so each one ends the session (zmq_events): said once, at start."""
+        self._say_once(
+            logging.WARNING,
+            "no --kv-replay for the %s engine's KV events: the shim cannot show that a reconnection of its event "
+            "socket (a network blip, a proxy's idle timeout) is to the same engine run, so every one ends the "
+            "session and the worker registers anew under a new id, its index rebuilt from what the engine "
+            "publishes next; give --kv-replay with the engine's replay endpoint (replay_endpoint in its "
+            "--kv-events-config)",
+            self.config.engine,
+        )
 
     def _say_once(self, level: int, message: str, *args: object) -> None:
         text = message % args
@@ -888,6 +903,8 @@ class WorkerShim:
             kv_events_topic=source.topic,
         )
         self.adapter.config = self.config
+        if source.replay_endpoint is None:
+            self._warn_no_replay()
         log.info(
             "KV events of rank %d from the engine's /kv_event_sources: %s (%s), replay %s, topic %r",
             rank, source.endpoint, self._listed[1], source.replay_endpoint, source.topic,
