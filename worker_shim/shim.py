@@ -83,6 +83,7 @@ from worker_shim.adapters import (
 )
 from worker_shim.adapters.base import LegRequest
 from worker_shim.adapters.zmq_bind import BindFailures, BindPending
+from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.endpoint_probe import EndpointProbe
@@ -303,6 +304,9 @@ class WorkerShim:
         self.failure: BaseException | None = None
         self.done = asyncio.Event()
         self.limits = EngineLimits()
+        self._reported = EngineLimits()  # what the engine reported this session (the flags aside)
+        if isinstance(self.adapter, ZmqEventsAdapter):
+            self.adapter.engine_changed = self._engine_changed
         self.kv_bytes_per_token: int | None = None
         self.tokenizer = ""
         self.adapters: list[str] = []
@@ -723,7 +727,7 @@ class WorkerShim:
 
     async def _check_limits(self) -> EngineLimits:
         c = self.config
-        eng = await self._engine_limits()
+        eng = self._reported = await self._engine_limits()
         limits = EngineLimits(
             block_size=_checked("block_size", c.block_size, eng.block_size),
             kv_total_blocks=_checked("kv_total_blocks", c.kv_total_blocks, eng.kv_total_blocks),
@@ -766,6 +770,27 @@ class WorkerShim:
                 "routers' /v1/models will not show it",
             )
         return limits
+
+    async def _engine_changed(self) -> str | None:
+        """What the engine reports now that differs from what this session registered: its limits,
+        or --model's context length or listing; None if nothing. One that cannot be read is taken as
+        changed (a restart is not ruled out). LoRA adapters and other names are followed anyway
+        (_poll_adapters)."""
+        c = self.config
+        try:
+            eng = await self._engine_limits()
+            models = await self.adapter.served_models()
+        except Exception as exc:  # whatever it is, the session cannot be shown to hold
+            return f"its limits could not be read again ({clipped(repr(exc))})"
+        if eng != self._reported:
+            return f"its limits went from {self._reported} to {eng}"
+        if models is None:
+            return f"its /v1/models could not be read again at {c.engine_url}"
+        if c.model not in models:
+            return f"it no longer lists --model {c.model}"
+        if (now := models[c.model].max_model_len) != self.limits.max_model_len:
+            return f"--model's max_model_len went from {self.limits.max_model_len} to {now}"
+        return None
 
     async def _engine_limits(self) -> EngineLimits:
         """The limits the engine reports. A 5xx or no answer (its limits endpoint timed out or

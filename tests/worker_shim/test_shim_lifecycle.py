@@ -147,6 +147,39 @@ async def test_a_reconnect_to_the_same_engine_run_keeps_the_session(ns: str, nat
             assert shim.adapter.event_stats()["restarts"] == 0 and follower.cleared == cleared
 
 
+@pytest.mark.parametrize("changed", [False, True], ids=["same-limits", "shorter-context"])
+async def test_a_reconnect_before_any_batch_keeps_the_session_unless_the_engine_limits_changed(
+    changed: bool, ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """An engine that has published nothing yet (an idle SGLang engine: it has no endpoint probe;
+    here vLLM's sim with --no-endpoint-probe), replay on: until 2026-12-07 any reconnection ended the
+    session, as nothing delivered proved the run goes on. The shim holds nothing of it to lose, so
+    the engine's limits are read again: the same, the session goes on; another context length (an
+    engine restarted with other limits), it ends and the worker registers anew with them."""
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, no_endpoint_probe=True)
+        async with shim:
+            await asyncio.wait_for(shim.registered.wait(), 20)
+            first, epoch = shim.worker_id, shim.epoch
+            await asyncio.sleep(1.5)  # past the connection's settle probe: nothing published
+            assert shim.adapter.event_stats()["messages"] == 0
+            if changed:
+                sim.config.max_model_len = 512
+            await relink(sim)
+            await wait_for(lambda: shim.adapter.event_stats()["reconnects"] == 1, what="relinked")
+            if not changed:
+                await asyncio.sleep(1.0)
+                assert (shim.worker_id, shim.epoch, shim.sessions, shim.registered.is_set()) == (first, epoch, 1, True)
+                assert shim.adapter.event_stats()["restarts"] == 0
+                for p in shared_prefix_prompts(3):
+                    await complete(sim.url, p)
+                await wait_for(lambda: shim.canonical_hashes() == engine_set(sim) != set(), what="shim == engine")
+                return
+            await wait_for(lambda: shim.sessions == 2 and shim.registered.is_set(), what="registered anew")
+            assert shim.worker_id != first and shim.limits.max_model_len == 512
+            assert shim.adapter.event_stats()["restarts"] == 1
+
+
 async def test_an_engine_too_busy_to_answer_stays_registered_until_the_busy_limit(
     ns: str, nats_url: str, etcd_url: str
 ) -> None:

@@ -347,6 +347,55 @@ async def test_a_reconnect_with_a_rebuild_pending_is_still_judged(engine: Buffer
         source._ctx.term()
 
 
+@pytest.mark.parametrize("changed", [None, "its limits went from A to B"], ids=["same-limits", "other-limits"])
+async def test_a_reconnect_before_any_batch_with_replay_reads_the_engine_limits_again(
+    engine: BufferedEngine, changed: str | None
+) -> None:
+    """An SGLang engine idle since the shim started (no endpoint probe publishes for it), replay on:
+    until 2026-12-07 its link's first drop ended the session, nothing delivered to prove the run goes
+    on. The shim holds nothing of it; the engine's limits, read again, decide."""
+    asked: list[str] = []
+
+    async def engine_changed() -> str | None:
+        asked.append("limits")
+        return changed
+
+    source = ZmqEventSource(
+        "sglang",
+        engine.shim_endpoint,
+        "auto",
+        "kv-events",
+        engine.replay_endpoint,
+        "127.0.0.1",
+        engine_changed=engine_changed,
+    )
+    norm = Normaliser(32)
+    replay = asyncio.create_task(engine.serve_replay())
+    live = asyncio.Event()
+    run = asyncio.create_task(source.run(folded(norm), live))
+    try:
+        await asyncio.wait_for(live.wait(), 5)
+        engine.connect_pub()
+        await wait_for(lambda: source._connections == 1, 5, "the engine connected")
+        await asyncio.sleep(SETTLE_S + 0.3)
+        assert source._last == -1 and asked == []
+        engine.drop_link()
+        await engine.link()
+        if changed is not None:
+            with pytest.raises(EngineRestarted, match="before any batch of the engine's run was delivered, and its"):
+                await asyncio.wait_for(run, 5)
+            assert (source.stats.reconnects, source.stats.restarts, asked) == (1, 1, ["limits"])
+            return
+        await wait_for(lambda: source.stats.reconnects == 1, 5, "the SUB reconnected")
+        await engine.store(2)  # seq 0, 1 (fetched by the settle probe if the PUB dropped them)
+        await wait_for(lambda: source._last == 1, SETTLE_S + 3, "seq 0..1 delivered")
+        assert (len(norm), norm.exact, source.stats.restarts, asked) == (2, True, 0, ["limits"])
+    finally:
+        for task in (run, replay):
+            task.cancel()
+        await asyncio.gather(run, replay, return_exceptions=True)
+
+
 async def test_a_reconnect_with_nothing_to_prove_the_run_goes_on_ends_it() -> None:
     """No batch delivered yet, or no replay socket to ask: the run cannot be shown to go on."""
     source = ZmqEventSource("vllm", "tcp://*:5557", "auto", "kv-events", None, "127.0.0.1")

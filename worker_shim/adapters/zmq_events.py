@@ -34,9 +34,10 @@ Sequence handling (seq is the engine's, per engine run, from 0):
   back, and nothing else would reveal them. If the replay holds that seq with the payload received
   live (replayed payloads are byte-identical, and each carries its step's timestamp), the engine's
   run goes on: the batches after it are delivered (what the new link holds by then as live) and
-  nothing is reset. Otherwise
-  (the seq went back, the payload differs, the buffer no longer holds it, no batch was delivered
-  yet, or there is no replay to ask) the engine restarted, or cannot be shown not to have.
+  nothing is reset. With replay and no batch delivered yet, the shim holds nothing of the engine's
+  to lose: the engine's limits and served names are read again (`engine_changed`), and only a
+  difference ends the run. Otherwise (the seq went back, the payload differs, the buffer no longer
+  holds it, or there is no replay to ask) the engine restarted, or cannot be shown not to have.
   Rebuilding on every reconnection wiped the index of a long-lived engine, whose buffer (vLLM: the
   last `buffer_steps` batches) no longer starts at 0;
 - an engine that restarted (or cannot be shown not to have) ends `run` with EngineRestarted, before
@@ -58,6 +59,7 @@ import contextlib
 import ipaddress
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -204,11 +206,15 @@ class ZmqEventSource:
         rank_given: bool = True,
         setting: str = "kv_events",
         bind_failures: BindFailures | None = None,
+        engine_changed: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
         """`rank`: the data-parallel rank whose events these must be (vLLM's batches name it); None
         checks nothing. `rank_given`: whether --data-parallel-rank named it (else the server's one rank).
         `setting`: where the endpoint came from, named by a ConfigError (kv_events or kv_events_config).
-        `bind_failures`: the failed binds so far (the adapter's, across sessions)."""
+        `bind_failures`: the failed binds so far (the adapter's, across sessions). `engine_changed`:
+        what the engine's limits or served names now differ in from the session's (None: nothing),
+        asked on a reconnection with nothing delivered yet; without it such a one ends the run."""
+        self.engine_changed = engine_changed
         self.setting = setting
         self.bind_failures = bind_failures or BindFailures()
         self.engine = engine
@@ -361,6 +367,9 @@ class ZmqEventSource:
         (EngineRestarted). Judged with a rebuild pending too: a rebuild from 0 of a restarted
         engine's run kept the old run's session."""
         last, digest = self._last, self._last_digest
+        if last == -1 and self.engine_changed is not None:
+            await self._reconnect_before_any_batch(self.engine_changed)
+            return
         if last is None or last < 0 or digest is None:
             raise self._restarted(
                 "its KV event socket reconnected before any batch of the engine's run was delivered, so the run "
@@ -394,6 +403,20 @@ class ZmqEventSource:
             f"its KV event socket reconnected and its replay holds {held} at seq {last}, the last the shim "
             "delivered: not provably the same engine run"
         )
+
+    async def _reconnect_before_any_batch(self, engine_changed: Callable[[], Awaitable[str | None]]) -> None:
+        """A reconnection with replay on and nothing delivered yet (an idle SGLang engine has no
+        endpoint probe to publish for it): the shim holds nothing of the engine's to lose, and a
+        restarted engine's seqs start at 0, as the shim expects; what a restart may change is the
+        engine's limits and served names, read again. Until 2026-12-07 (056b6ce) such a reconnection
+        ended the session even with --kv-replay."""
+        changed = await engine_changed()
+        if changed is not None:
+            raise self._restarted(
+                f"its KV event socket reconnected before any batch of the engine's run was delivered, and {changed}"
+            )
+        # The new link's batches follow, from seq 0; what it missed, the settle probe replays.
+        log.info("%s KV events: peer reconnected before any batch; the engine's limits are unchanged", self.engine)
 
     def _check_peer(self) -> None:
         since = self._alone_since
@@ -694,6 +717,8 @@ class ZmqEventsAdapter(HttpEngineAdapter):
         # The rank whose events these must be: the shim's, or the one rank its server lists (an
         # external load-balanced vLLM rank's shim given the shared endpoints would read rank 0's).
         self.events_rank = config.data_parallel_rank
+        # Set by the shim: what the engine's limits or served names now differ in from the session's.
+        self.engine_changed: Callable[[], Awaitable[str | None]] | None = None
 
     async def run_events(self, sink: EventSink, live: asyncio.Event) -> None:
         c = self.config
@@ -712,6 +737,7 @@ class ZmqEventsAdapter(HttpEngineAdapter):
             rank_given=c.data_parallel_rank is not None,
             setting="kv_events" if c.kv_events_config is None else "kv_events_config",
             bind_failures=self.bind_failures,
+            engine_changed=self.engine_changed,
         )
         await self._events.run(sink, live)
 
