@@ -273,7 +273,7 @@ async def test_limits_held_stand_for_an_answer_held_past_their_wait(
             with caplog.at_level(logging.WARNING, logger="worker_shim.adapters.trtllm"):
                 t0 = time.monotonic()
                 assert await adapter.limits() == read and await adapter.limits() == read
-                assert time.monotonic() - t0 < 1.0  # not LIMITS_WAIT_S (30 s), which is for limits unknown
+                assert time.monotonic() - t0 < 10.0  # not LIMITS_WAIT_S (30 s), which is for limits unknown
             said = [r.getMessage() for r in caplog.records]
             assert len(said) == 1 and "takes the limits read before" in said[0], said
             await traffic
