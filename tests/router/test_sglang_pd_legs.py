@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 import pytest
@@ -81,18 +82,25 @@ async def _worker(
     return Worker(engine, svc)
 
 
+async def _pd(stack: AsyncExitStack, nats_url: str, ns: str, **settings: Any) -> PD:
+    """Prefill worker p1, decode worker w1 and a router over them; `settings`: RouterSettings fields
+    besides the heartbeat."""
+    prefill = await _worker(stack, nats_url, ns, "prefill", "p1")
+    decode = await _worker(stack, nats_url, ns, "decode", "w1")
+    nc = await nats.connect(nats_url)
+    stack.push_async_callback(nc.close)
+    books = Books()
+    config = RouterSettings(stream_heartbeat_s=HB, **settings)
+    router = Dispatcher(nc, ns, books, settings=lambda: config)
+    await router.start()
+    stack.push_async_callback(router.stop)
+    return PD(router, books, prefill, decode)
+
+
 @pytest.fixture
 async def pd(nats_url: str, ns: str) -> AsyncIterator[PD]:
     async with AsyncExitStack() as stack:
-        prefill = await _worker(stack, nats_url, ns, "prefill", "p1")
-        decode = await _worker(stack, nats_url, ns, "decode", "w1")
-        nc = await nats.connect(nats_url)
-        stack.push_async_callback(nc.close)
-        books = Books()
-        router = Dispatcher(nc, ns, books, settings=lambda: RouterSettings(stream_heartbeat_s=HB))
-        await router.start()
-        stack.push_async_callback(router.stop)
-        yield PD(router, books, prefill, decode)
+        yield await _pd(stack, nats_url, ns)
 
 
 def _job(tokens: int) -> Job:
@@ -167,15 +175,8 @@ async def test_a_prefill_slower_than_prefill_timeout_after_its_handle_is_served(
     and sent a bypass an SGLang decode server cannot serve, and the prefill shim aborted the
     engine's prefill at that deadline too: a 504 at the client's deadline for a prefill that worked."""
     async with AsyncExitStack() as stack:
-        prefill = await _worker(stack, nats_url, ns, "prefill", "p1")
-        decode = await _worker(stack, nats_url, ns, "decode", "w1")
-        nc = await nats.connect(nats_url)
-        stack.push_async_callback(nc.close)
-        books = Books()
-        settings = RouterSettings(stream_heartbeat_s=HB, prefill_timeout_s=0.5)
-        router = Dispatcher(nc, ns, books, settings=lambda: settings)
-        await router.start()
-        stack.push_async_callback(router.stop)
+        pd = await _pd(stack, nats_url, ns, prefill_timeout_s=0.5)
+        router, prefill, decode = pd.router, pd.prefill, pd.decode
         job = _job(100)
         got = asyncio.ensure_future(collect(router, job))
         await wait_for(lambda: "r1" in decode.engine.held and "r1" in prefill.engine.held, 5, what="both legs")

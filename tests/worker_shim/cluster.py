@@ -13,16 +13,19 @@ import aiohttp
 import nats
 from aiohttp import web
 from nats.aio.client import Client as Nats
+from nats.aio.msg import Msg
 
 from engine_sim.config import SimConfig
 from engine_sim.server import SimServer
 from kvswitch.servers import free_port
 from protocol import (
     Cleared,
+    GenerateRequest,
     KvEventBatch,
     KvStateChunk,
     KvStateRequest,
     Removed,
+    ResponseChunk,
     Stored,
     block_hashes,
     decode_msg,
@@ -31,8 +34,11 @@ from protocol import (
     unpack_hashes,
 )
 from protocol.config import EtcdSettings, NatsSettings
+from runtime.nats_flush import flush
 from worker_shim import EngineBatch, ShimConfig, WorkerShim
+from worker_shim.adapters.base import EngineAdapter
 from worker_shim.engine_events import EventSink
+from worker_shim.request_service import RequestService
 
 BLOCK = 16
 
@@ -99,6 +105,37 @@ async def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+async def decode_leg_final(
+    nats_url: str, ns: str, adapter: EngineAdapter, req: GenerateRequest
+) -> tuple[ResponseChunk, list[str]]:
+    """Sends `req` to decode worker w1's request service over `adapter`: its final chunk, and one
+    "leg" for each failed transfer-fed leg the service counted (on_transfer_failed)."""
+    nc = await nats.connect(nats_url)
+    failed: list[str] = []
+    svc = RequestService(
+        nc, adapter, lambda: None, lambda _ids, _salt: 0,
+        on_transfer_failed=lambda: failed.append("leg"), block_size=lambda: 16,
+    )  # fmt: skip
+    try:
+        subject = subjects.gen(ns, "decode", "w1")
+        await nc.subscribe(subject, cb=svc.on_generate)
+        finals: list[ResponseChunk] = []
+
+        async def on_reply(msg: Msg) -> None:
+            chunk = decode_msg(msg.data, ResponseChunk)
+            if chunk.final:
+                finals.append(chunk)
+
+        inbox = f"{ns}.inbox.{req.request_id}"
+        await nc.subscribe(inbox, cb=on_reply)
+        await flush(nc)
+        await nc.publish(subject, encode_msg(req), reply=inbox)
+        await wait_for(lambda: bool(finals), what="the leg's final chunk")
+    finally:
+        await nc.close()
+    return finals[0], failed
 
 
 class Follower:

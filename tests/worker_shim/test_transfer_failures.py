@@ -7,16 +7,12 @@ from __future__ import annotations
 import logging
 from typing import cast
 
-import nats
 import pytest
-from nats.aio.msg import Msg
 
-from protocol import GenerateRequest, ResponseChunk, SamplingParams, decode_msg, encode_msg, subjects
+from protocol import GenerateRequest, SamplingParams
 from protocol.messages import TransferHandle
-from runtime.nats_flush import flush
-from tests.worker_shim.cluster import wait_for
+from tests.worker_shim.cluster import decode_leg_final
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest, OnOutput
-from worker_shim.request_service import RequestService
 from worker_shim.transfer_failures import LEG_READINGS, TransferFailures
 
 
@@ -134,32 +130,10 @@ async def test_only_the_engines_own_500_on_a_transfer_fed_leg_counts_as_a_failed
 ) -> None:
     """An engine that crashes with transfer-fed legs queued fails them with `engine_unavailable`; its
     failed-pull counter never counts those, so they must not offset later silent failures."""
-    nc = await nats.connect(nats_url)
-    failed: list[str] = []
-    svc = RequestService(
-        nc, cast(EngineAdapter, _Failing(error)), lambda: None, lambda _ids, _salt: 0,
-        on_transfer_failed=lambda: failed.append("leg"), block_size=lambda: 16,
+    req = GenerateRequest(
+        request_id="r1", model="m", token_ids=[1] * 32, sampling=SamplingParams(max_tokens=4),
+        disagg=TransferHandle(engine="vllm", params={"do_remote_prefill": True}),
     )  # fmt: skip
-    try:
-        subject = subjects.gen(ns, "decode", "w1")
-        await nc.subscribe(subject, cb=svc.on_generate)
-        finals: list[ResponseChunk] = []
-
-        async def on_reply(msg: Msg) -> None:
-            chunk = decode_msg(msg.data, ResponseChunk)
-            if chunk.final:
-                finals.append(chunk)
-
-        inbox = f"{ns}.inbox.r1"
-        await nc.subscribe(inbox, cb=on_reply)
-        await flush(nc)
-        req = GenerateRequest(
-            request_id="r1", model="m", token_ids=[1] * 32, sampling=SamplingParams(max_tokens=4),
-            disagg=TransferHandle(engine="vllm", params={"do_remote_prefill": True}),
-        )  # fmt: skip
-        await nc.publish(subject, encode_msg(req), reply=inbox)
-        await wait_for(lambda: bool(finals), what="the leg's final chunk")
-        assert finals[0].error is not None and finals[0].error.kind == error.kind
-        assert failed == (["leg"] if counted else [])
-    finally:
-        await nc.close()
+    final, failed = await decode_leg_final(nats_url, ns, cast(EngineAdapter, _Failing(error)), req)
+    assert final.error is not None and final.error.kind == error.kind
+    assert failed == (["leg"] if counted else [])

@@ -18,20 +18,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
-import nats
 import pytest
 from aiohttp import web
-from nats.aio.msg import Msg
 
-from protocol import GenerateRequest, ResponseChunk, SamplingParams, decode_msg, encode_msg, subjects
+from protocol import GenerateRequest, SamplingParams
 from protocol.messages import BAD_TRANSFER_HANDLE, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, PREFILL_STOPPED, TransferHandle
-from runtime.nats_flush import flush
-from tests.worker_shim.cluster import served, wait_for
+from tests.worker_shim.cluster import decode_leg_final, served
 from worker_shim import ShimConfig
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegRequest
 from worker_shim.adapters.openai_http import StreamCut
 from worker_shim.adapters.trtllm import TrtllmAdapter, check_transfer_handle
-from worker_shim.request_service import RequestService
 
 HANDLE = {"request_type": "context_only", "first_gen_tokens": [42], "ctx_request_id": 77,
           "encoded_opaque_state": "b3BhcXVl", "draft_tokens": None}  # fmt: skip
@@ -293,35 +289,13 @@ async def test_a_failed_pull_on_trtllm_serve_counts_and_reaches_the_router_as_on
     and the router, on the final chunk's 500 `engine_error`, falls back to local prefill and closes
     the pair for a while (router.dispatch, router.transfer_health)."""
     status, body = _bad_request(PULL_FAILED)
+    req = GenerateRequest(
+        request_id="r1", model="m", token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4),
+        endpoint=ENDPOINT_COMPLETIONS, params={"prompt": [1, 2, 3], "max_tokens": 4},
+        disagg=TransferHandle(engine="trtllm", params=HANDLE),
+    )  # fmt: skip
     async with _adapter(_answering(body, status)) as adapter:
-        nc = await nats.connect(nats_url)
-        failed: list[str] = []
-        svc = RequestService(
-            nc, cast(EngineAdapter, adapter), lambda: None, lambda _ids, _salt: 0,
-            on_transfer_failed=lambda: failed.append("leg"), block_size=lambda: 16,
-        )  # fmt: skip
-        try:
-            subject = subjects.gen(ns, "decode", "w1")
-            await nc.subscribe(subject, cb=svc.on_generate)
-            finals: list[ResponseChunk] = []
-
-            async def on_reply(msg: Msg) -> None:
-                chunk = decode_msg(msg.data, ResponseChunk)
-                if chunk.final:
-                    finals.append(chunk)
-
-            inbox = f"{ns}.inbox.r1"
-            await nc.subscribe(inbox, cb=on_reply)
-            await flush(nc)
-            req = GenerateRequest(
-                request_id="r1", model="m", token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4),
-                endpoint=ENDPOINT_COMPLETIONS, params={"prompt": [1, 2, 3], "max_tokens": 4},
-                disagg=TransferHandle(engine="trtllm", params=HANDLE),
-            )  # fmt: skip
-            await nc.publish(subject, encode_msg(req), reply=inbox)
-            await wait_for(lambda: bool(finals), what="the leg's final chunk")
-        finally:
-            await nc.close()
-    error = finals[0].error
+        final, failed = await decode_leg_final(nats_url, ns, cast(EngineAdapter, adapter), req)
+    error = final.error
     assert error is not None and (error.code, error.kind, error.body) == (500, "engine_error", b"")
     assert failed == ["leg"]
