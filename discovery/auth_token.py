@@ -14,13 +14,12 @@ core of it busy for tokens nobody had lost.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import grpc
 from etcd3aio import Etcd3Client, EtcdError, EtcdUnauthenticatedError
 
-from runtime import background
+from runtime import background, cancel_and_wait
 
 __all__ = ["TokenKeeper", "rejects_token"]
 
@@ -83,9 +82,7 @@ class TokenKeeper:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
     async def _authenticate(self) -> None:
         auth = self._client.auth

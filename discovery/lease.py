@@ -9,7 +9,6 @@ serving, and renewals resume as soon as etcd answers again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import threading
@@ -22,6 +21,7 @@ from etcd3aio._protobuf import LeaseKeepAliveRequest, LeaseRevokeRequest, LeaseS
 
 from discovery.answer_deadline import answer_within
 from discovery.auth_token import rejects_token
+from runtime import cancel_and_wait
 
 __all__ = ["MIN_LEASE_TTL", "Lease", "LeaseLost", "LeaseState", "renewal_interval"]
 
@@ -302,9 +302,7 @@ class Lease:
         """Stop renewing without revoking: the lease then expires within its TTL (tests use this)."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
 
 def said(exc: BaseException) -> str:

@@ -69,7 +69,7 @@ import msgspec
 from discovery.lease import Lease, LeaseState
 from discovery.session import DEFAULT_TTL, Discovery, DiscoveryError, KeyTaken
 from protocol import encode_json
-from runtime import TickErrors, background
+from runtime import TickErrors, background, cancel_and_wait
 
 __all__ = ["Registration", "RegistrationState"]
 
@@ -170,9 +170,8 @@ class Registration:
         did not revoke it (a WARNING says why), its keys then kept until its TTL passes."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
             # a crash of it was said as it came (and failed the registration): the lease goes anyway
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
         lease, self.lease = self.lease, None
         revoked = lease is None or await self._discovery.release(lease)
         self._phase = RegistrationState.STOPPED

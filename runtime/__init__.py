@@ -30,6 +30,7 @@ __all__ = [
     "Throttle",
     "TickErrors",
     "background",
+    "cancel_and_wait",
     "clipped",
     "configure_logging",
     "ended",
@@ -209,6 +210,33 @@ def background(
     _stops[task] = stops
     task.add_done_callback(lambda t: _crashed(t, stops, on_crash))
     return task
+
+
+CANCEL_AGAIN_S = 1.0
+
+
+async def cancel_and_wait(task: asyncio.Task[Any], again_s: float = CANCEL_AGAIN_S) -> None:
+    """Cancel `task` and wait for its end, cancelling it again every `again_s` while it runs on.
+    A cancellation can be lost below a task (Python 3.11's asyncio and grpc.aio each can drop one
+    that comes with an answer), and a task that loops then runs for good: a shim's stop waited on
+    its registration's supervisor forever (a full test run of 2026-12-07, its loop idle in a
+    teardown; CI's like it had no trace). Said at WARNING when it had to cancel again. Its outcome
+    is retrieved, not raised: a crash was said as it came (background())."""
+    task.cancel()
+    again = 0
+    while not task.done():
+        await asyncio.wait({task}, timeout=again_s)
+        if not task.done():
+            again += 1
+            task.cancel()
+    if again:
+        _log.warning(
+            "task %s ran on through its cancellation (lost below it): cancelled again %d time(s) before it ended",
+            task.get_name(),
+            again,
+        )
+    if not task.cancelled():
+        task.exception()
 
 
 # what each background task's end stops (its owner's readiness names it: ended())

@@ -632,3 +632,30 @@ async def test_a_keep_alive_that_fails_with_its_revoke_waits_out_its_own_lease_a
         assert reg.state is RegistrationState.REGISTERED and reg.failure is None, reg.failure
         assert reg.lease.id != first and await d.holder(reg.key) == reg.lease.id
         assert await reg.stop()
+
+
+async def test_a_stop_ends_a_supervisor_that_lost_its_cancellation(etcd_url: str, ns: str) -> None:
+    """A full test run of 2026-12-07 hung for good in a shim's stop: its registration's supervisor
+    lost stop()'s cancellation below it (a call that swallowed it) and ticked on, and stop() waited
+    on it without end. It is now cancelled again until it ends."""
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=3)
+        await reg.start()
+        tick = reg._tick
+        lost: list[int] = []
+
+        async def losing_one() -> bool:
+            try:
+                return await tick()
+            except asyncio.CancelledError:
+                if lost:
+                    raise
+                lost.append(1)  # as a call below it that swallowed it would
+                return True
+
+        reg._tick = losing_one  # type: ignore[method-assign]
+        reg._wake.set()  # its next tick now
+        await asyncio.sleep(0.1)
+        async with asyncio.timeout(10):
+            assert await reg.stop()
+        assert lost == [1]

@@ -1,0 +1,54 @@
+"""`runtime.cancel_and_wait`: a task whose cancellation is lost below it (Python 3.11's asyncio and
+grpc.aio each can drop one) is cancelled again until it ends; a stop no longer waits on it for good."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from runtime import cancel_and_wait
+
+
+async def _swallows(times: int, ticks: list[int]) -> None:
+    """Loops as a supervisor does, losing its first `times` cancellations as a call below it can."""
+    while True:
+        try:
+            await asyncio.sleep(0.01)
+            ticks.append(1)
+        except asyncio.CancelledError:
+            if times == 0:
+                raise
+            times -= 1
+
+
+@pytest.mark.parametrize("lost", [0, 1, 2])
+async def test_a_task_that_loses_its_cancellations_is_cancelled_until_it_ends(
+    lost: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    ticks: list[int] = []
+    task = asyncio.create_task(_swallows(lost, ticks), name="supervisor")
+    await asyncio.sleep(0.05)
+    with caplog.at_level(logging.WARNING, logger="runtime"):
+        async with asyncio.timeout(10):
+            await cancel_and_wait(task, again_s=0.05)
+    assert task.cancelled()
+    said = [r.getMessage() for r in caplog.records if r.name == "runtime"]
+    if lost:
+        assert said == [
+            f"task supervisor ran on through its cancellation (lost below it): cancelled again {lost} time(s) "
+            "before it ended"
+        ], said
+    else:
+        assert said == []
+
+
+async def test_a_crash_is_retrieved_not_raised() -> None:
+    async def crash() -> None:
+        raise RuntimeError("boom")
+
+    task = asyncio.create_task(crash())
+    await asyncio.sleep(0)
+    await cancel_and_wait(task)  # no "exception was never retrieved", no raise
+    assert isinstance(task.exception(), RuntimeError)
