@@ -23,6 +23,7 @@ import pytest
 import discovery.lease as lease_module
 from discovery import Deleted, Discovery, Lease, LeaseState, Snapshot, WatchEvent
 from discovery.lease import MIN_LEASE_TTL
+from discovery.watch import SILENT_S
 from kvswitch.servers import EtcdCluster, EtcdServer
 from protocol.config import EtcdSettings
 
@@ -44,8 +45,13 @@ def _streams(member: EtcdServer, method: str) -> float:
     return total("grpc_server_started_total") - total("grpc_server_handled_total")
 
 
-def _holding(cluster: EtcdCluster, method: str) -> EtcdServer:
-    held = [m for m in cluster.members if _streams(m, method) > 0]
+async def _holding(cluster: EtcdCluster, method: str, within: float = 10.0) -> EtcdServer:
+    """The one member holding the `method` stream, once it is open: the client opens it on its own
+    time, past 0.3 s on a loaded machine (a fixed sleep saw it on no member)."""
+    deadline = time.monotonic() + within
+    while not (held := [m for m in cluster.members if _streams(m, method) > 0]):
+        assert time.monotonic() < deadline, f"no {method} stream on any member in {within}s"
+        await asyncio.sleep(0.05)
     assert len(held) == 1, f"{method} streams on {len(held)} members"
     return held[0]
 
@@ -77,8 +83,7 @@ async def test_a_lease_whose_stream_a_hung_member_holds_keeps_its_key(
     async with Discovery(EtcdSettings(endpoints=cluster.urls).validate(), ns) as d:
         lease = await d.grant(ttl=ttl)
         await d.put(f"/{ns}/k", b"v", lease)
-        await asyncio.sleep(0.3)
-        hung = _holding(cluster, "LeaseKeepAlive")
+        hung = await _holding(cluster, "LeaseKeepAlive")
         with caplog.at_level(logging.WARNING, "discovery.lease"), _Stopped(hung):
             async with Discovery(_others(cluster, hung), ns) as healthy:
                 await asyncio.sleep(1.5 * ttl)  # past the TTL: the key is gone unless a healthy member renewed it
@@ -99,8 +104,7 @@ async def test_a_watch_whose_stream_a_hung_member_holds_sees_a_change_made_elsew
         watch: AsyncGenerator[WatchEvent[bytes], None] = d.watch_raw(f"/{ns}/w/")
         assert isinstance(await anext(watch), Snapshot)
         following = asyncio.ensure_future(anext(watch))  # the stream opens once the Snapshot is taken
-        await asyncio.sleep(0.3)
-        hung = _holding(cluster, "Watch")
+        hung = await _holding(cluster, "Watch")
         try:
             with caplog.at_level(logging.WARNING, "discovery.watch"), _Stopped(hung):
                 async with Discovery(_others(cluster, hung), ns) as healthy:
@@ -115,6 +119,52 @@ async def test_a_watch_whose_stream_a_hung_member_holds_sees_a_change_made_elsew
         finally:
             following.cancel()
             await watch.aclose()
+        # Said once, by whichever sees the hang first: the watch's own deadline (3 s of silence), or
+        # gRPC's keepalive, whose ping (every 6 s, 2 s to answer) went out just as the member stopped
+        # in about 1 run of 12. The deadline alone: test_a_watch_whose_stream_goes_silent_is_made_again.
+        said = [r.getMessage() for r in caplog.records]
+        assert said == [f"watch /{ns}/w/: no answer from etcd in 3s; re-reading and watching again"] or (
+            len(said) == 1 and said[0].startswith(f"watch /{ns}/w/: UNAVAILABLE: ") and "ping" in said[0]
+        ), said
+
+
+class _Silent:
+    """A watch stream that never answers, on a connection that does (its pings answered)."""
+
+    def __aiter__(self) -> _Silent:
+        return self
+
+    async def __anext__(self) -> Any:
+        await asyncio.Event().wait()
+
+    def cancel(self) -> None:
+        pass
+
+
+async def test_a_watch_whose_stream_goes_silent_is_made_again(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The watch's own deadline, with no keepalive to race it: a healthy member whose stream is silent.
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]).validate(), ns) as d:
+        await d.put_raw(f"/{ns}/w/a", b"1")
+        assert d.client.watch is not None
+        stub = d.client.watch._stub
+        opened = stub.Watch
+        silent = [_Silent()]  # the first stream; the one made again is etcd's own
+        monkeypatch.setattr(stub, "Watch", lambda *a, **kw: silent.pop() if silent else opened(*a, **kw))
+        watch: AsyncGenerator[WatchEvent[bytes], None] = d.watch_raw(f"/{ns}/w/")
+        assert isinstance(await anext(watch), Snapshot)
+        with caplog.at_level(logging.WARNING, "discovery.watch"):
+            following = asyncio.ensure_future(anext(watch))
+            await d.delete(f"/{ns}/w/a")
+            deleted = time.monotonic()
+            try:
+                event = await asyncio.wait_for(following, 8)
+            finally:
+                following.cancel()
+                await watch.aclose()
+        assert isinstance(event, Snapshot) and "a" not in event.items, event  # read anew
+        assert SILENT_S - 0.5 < time.monotonic() - deleted < SILENT_S + 3
         assert [r.getMessage() for r in caplog.records] == [
             f"watch /{ns}/w/: no answer from etcd in 3s; re-reading and watching again"
         ]
