@@ -19,9 +19,14 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   only it is out of routing (router.eligibility); every other worker routes as usual.
 - The digest check: each load report carries the shim's (kv_epoch, kv_seq, kv_blocks, kv_xor). At
   the same (epoch, seq) the index's digest of that worker must match; a report ahead of the index
-  whose seq the index has not reached `behind_grace_s` later means the last batches were lost.
-  Either starts a repair. (An index that trails every report by a few batches, as its own queue
-  drains, reaches each seq watched in time and has lost nothing.) A digest that disagrees is a
+  whose seq the index has not reached `behind_grace_s` later, nor once a barrier on the KV
+  subscriptions begun since has ended (router.sender_subscriptions: all nats-server had sent them
+  went through the handler), means the last batches were lost. Either starts a repair. (An index
+  that trails every report by a few batches, as its own queue drains, reaches each seq watched in
+  time and has lost nothing; batches seconds late behind a flood's or a backlog on their own
+  connection, while the reports come on another, are late, not lost: until 2026-12-07 the grace
+  alone judged them, and an honest worker beside a flooding one was taken out of routing to
+  repair what was still on its way, on a loaded machine.) A digest that disagrees is a
   WARNING once per worker until it agrees again (each resync it takes counted in
   `digest_mismatches`), at most NAMED_AT_MOST workers named per window and the
   rest counted (router.fleet_lines). A digest that disagrees again at the first comparison after
@@ -99,6 +104,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import NamedTuple
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -125,7 +131,7 @@ from router.lifecycle import PartStatus
 from router.newer_kinds import NewerKinds, shown
 from router.sender_budget import KvBudget, SenderBudget
 from router.sender_subscriptions import QUARANTINE_S, SenderSubscriptions
-from runtime import guarded
+from runtime import background, guarded
 from runtime.turns import Turns
 
 __all__ = ["KvIngest"]
@@ -154,6 +160,12 @@ _NONE_SKIPPED: Skipped = MappingProxyType({})
 _Held = tuple[int, KvEventBatch, Skipped]  # a batch held for a repair: (arrival no., it, its Skipped)
 
 
+class _Behind(NamedTuple):
+    seq: int  # what a report showed, ahead of the index
+    since: float  # when it was seen
+    barrier: int  # KV barriers begun by then: only a later one's end shows the batches lost
+
+
 @dataclass(eq=False)
 class _Worker:
     name: str
@@ -177,7 +189,8 @@ class _Worker:
     why: str = "waiting for the shim's first full state"
     asked_at: int = 0  # arrival no. of the last batch received before the current request went out
     sent_ts: float = math.inf  # shim time of what brought the index to its seq (see _check_ahead)
-    behind: tuple[int, float] | None = None  # (seq a digest showed, since when) until the index reaches it
+    behind: _Behind | None = None  # the seq a report showed ahead of the index, until the index reaches it
+    reported: tuple[int, int] = (0, 0)  # (kv_epoch, kv_seq) of its last report ahead of the index
     ahead: tuple[int, float] | None = None  # (index seq the shim's later reports have not reached, since report ts)
 
 
@@ -208,6 +221,7 @@ class KvIngest:
         held_bytes_limit: int = 32 << 20,
         held_total_bytes_limit: int = 512 << 20,
         behind_grace_s: float = 1.0,
+        barrier_timeout_s: float = 10.0,
         digest_backoff_min_s: float = 2.0,
         digest_backoff_max_s: float = 64.0,
         min_entry_limit: int = MIN_ENTRY_LIMIT,
@@ -251,6 +265,11 @@ class KvIngest:
         self._held_total_bytes_limit = held_total_bytes_limit
         self._held_total = 0  # bytes of every worker's held batches and of those of unknown workers
         self._behind_grace_s = behind_grace_s
+        self._barrier_timeout_s = barrier_timeout_s
+        self._barrier: asyncio.Task[None] | None = None  # the KV barrier under way (_catch_up)
+        self._barriers_begun = self._barriers_ended = 0  # the number of the last one begun, and ended
+        self._behind_judged: set[str] = set()  # workers whose batches behind a report wait on it
+        self._barrier_late_said = False  # a barrier did not end in time, said, and none has since
         self._digest_backoff_min_s = digest_backoff_min_s
         self._digest_backoff_max_s = digest_backoff_max_s
         self._digest_lines = FleetLines(
@@ -366,6 +385,9 @@ class KvIngest:
         if self.status is PartStatus.STOPPED:
             return
         self.status = PartStatus.STOPPED
+        if self._barrier is not None:
+            self._barrier.cancel()
+            await asyncio.gather(self._barrier, return_exceptions=True)
         await self.subscriptions.stop()  # what it cannot unsubscribe (a draining connection) goes with it
         await self.repairs.stop()
 
@@ -698,15 +720,10 @@ class KvIngest:
         sync = state.sync
         if report.kv_epoch != sync.epoch or report.kv_seq > sync.last_seq:
             state.ahead = None
-            now = self._clock()
-            if state.behind is not None and report.kv_epoch == sync.epoch and sync.last_seq >= state.behind[0]:
-                state.behind = None  # the index reached the seq watched so far: it trails, it lost nothing
+            state.reported = (report.kv_epoch, report.kv_seq)
+            self._judge_behind(state)
             if state.behind is None:
-                state.behind = (report.kv_seq, now)
-            if now - state.behind[1] >= self._behind_grace_s:
-                self.stats.digest_lags += 1
-                why = f"its shim is at epoch {report.kv_epoch:x} seq {report.kv_seq}, the index at seq {sync.last_seq}"
-                self._open_repair(state, dump=report.kv_epoch != sync.epoch, why=f"lost batches: {why}")
+                state.behind = _Behind(report.kv_seq, self._clock(), self._barriers_begun)
             return
         state.behind = None
         if report.kv_seq < sync.last_seq:
@@ -776,6 +793,62 @@ class KvIngest:
             state.digest_unfixed = False
             self.stats.digest_unfixed -= 1
             self._unfixed.ended(state.name, "KV digest of worker %s agrees with the index again", state.name)
+
+    def _judge_behind(self, state: _Worker) -> None:
+        """Its index behind the seq its reports showed: the watch ends once the index reaches that
+        seq, and the batches up to it are lost once `behind_grace_s` has passed and a KV barrier
+        begun since has ended (all that nats-server had sent the KV subscriptions by then went
+        through the handler): until then they may be on their way behind others, a flood's or a
+        backlog's, while the reports come on a connection of their own."""
+        behind, sync = state.behind, state.sync
+        if behind is None or sync.state is not SyncState.SYNCED:
+            return
+        epoch, seq = state.reported
+        if epoch == sync.epoch and sync.last_seq >= behind.seq:
+            state.behind = None  # the index reached the seq watched so far: it trails, it lost nothing
+            return
+        if self._clock() - behind.since < self._behind_grace_s:
+            return
+        if self._barriers_ended <= behind.barrier:
+            self._behind_judged.add(state.name)
+            self._catch_up()
+            return
+        self.stats.digest_lags += 1
+        why = f"its shim is at epoch {epoch:x} seq {seq}, the index at seq {sync.last_seq}"
+        self._open_repair(state, dump=epoch != sync.epoch, why=f"lost batches: {why}")
+
+    def _catch_up(self) -> None:
+        """A KV barrier (SenderSubscriptions.caught_up), unless one is under way; at its end every
+        worker waiting on it is judged again."""
+        if self.status is not PartStatus.RUNNING or (self._barrier is not None and not self._barrier.done()):
+            return
+        self._barriers_begun += 1
+        self._barrier = background(
+            self._caught_up(self._barriers_begun),
+            "router-kv-barrier",
+            "batches behind load reports are judged lost at the next report past the grace",
+        )
+
+    async def _caught_up(self, number: int) -> None:
+        if not await self.subscriptions.caught_up(self._barrier_timeout_s):
+            if not self._barrier_late_said:  # once until one ends in time
+                self._barrier_late_said = True
+                log.warning(
+                    "KV batches reach this router more than %gs late (what NATS had sent its KV subscriptions was not "
+                    "all handled in that time): its index trails its workers, and batches behind their load reports "
+                    "are judged lost only once they catch up",
+                    self._barrier_timeout_s,
+                )
+            return
+        if self._barrier_late_said:
+            self._barrier_late_said = False
+            log.info("KV batches reach this router in time again")
+        self._barriers_ended = number
+        self._barrier = None  # ended: a worker judged again below may need the next one
+        waiting, self._behind_judged = self._behind_judged, set()
+        for name in waiting:
+            if (state := self._workers.get(name)) is not None:
+                self._judge_behind(state)
 
     def _check_ahead(self, state: _Worker, report: LoadReport) -> None:
         """A report below the index's seq. Judged on the shim's clock, never on arrival: load

@@ -30,6 +30,13 @@ reconnect, while an unsubscribe then only forgets it here, so a subscription mad
 within an outage stayed at nats-server, unseen (review of 2026-12-06: a worker that left during
 the outage was heard again, and the wildcard beside the per-worker ones, the quarantine undone).
 The changes wait for `reconnected()`.
+
+`caught_up()` is a barrier on what comes: it returns once every message nats-server sent these
+subscriptions before the call went through the handler (a PING's PONG, then the messages queued
+ahead of it handled). A worker's KV batches and its load reports come on separate connections, and a
+report naming a batch the router has not applied proves the batch lost only past it: a flood on the
+KV connection (isolation audit of 2026-12-07) held an honest worker's batches 2 s behind its reports
+on a loaded machine, and they were judged lost and the worker taken out of routing to repair them.
 """
 
 from __future__ import annotations
@@ -37,15 +44,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+from nats.errors import FlushTimeoutError
 
 from discovery.watch import keep_following
 from runtime import background
+from runtime.nats_flush import flush
 from runtime.nats_unsubscribe import unsubscribe
 
 __all__ = ["QUARANTINE_MAX_FACTOR", "QUARANTINE_S", "SenderSubscriptions"]
@@ -54,6 +66,15 @@ log = logging.getLogger(__name__)
 
 QUARANTINE_S = 15.0
 QUARANTINE_MAX_FACTOR = 8
+
+
+@dataclass(slots=True)
+class _Counted:
+    """A subscription held, and its messages handed to the handler and through it (caught_up)."""
+
+    sub: Subscription
+    begun: int = 0
+    done: int = 0
 
 
 class SenderSubscriptions:
@@ -89,9 +110,11 @@ class SenderSubscriptions:
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.quarantines = 0  # senders quarantined, each time
+        self._counted: dict[int, _Counted] = {}  # by subscription id, until it is dropped (caught_up)
+        self._progress = asyncio.Event()  # set as the handler is through with a message
 
     async def start(self) -> None:
-        self._all = await self._nc.subscribe(self._all_subject, cb=self._handler)
+        self._all = await self._subscribe(self._all_subject)
         self._task = background(  # a change that raises (NATS away) is an ERROR, and tried again
             keep_following(self._follow, f"the {self._what} subscriptions (router.sender_subscriptions)"),
             f"router-{self._what.replace(' ', '-')}-subscriptions",
@@ -161,6 +184,57 @@ class SenderSubscriptions:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._all, self._each = None, {}
+        self._counted = {}
+        self._progress.set()
+
+    async def caught_up(self, timeout: float) -> bool:
+        """Whether every message nats-server sent these subscriptions before this call has gone
+        through the handler; False once that takes past `timeout` s (about; twice at worst). A
+        connection down, or dropping meanwhile, has its queued messages handled and no more waited
+        for: what the server had not delivered then never comes."""
+        if self._nc.is_connected:
+            try:
+                await flush(self._nc, math.ceil(timeout))  # the server wrote all it sent before to the socket
+            except FlushTimeoutError:
+                if self._nc.is_connected:
+                    return False
+            except NatsError:
+                pass  # closed or dropped meanwhile
+        # The PONG was read after those messages: each is in its subscription's queue, or handled.
+        # A subscription dropped meanwhile had its queue handled first (runtime.nats_unsubscribe).
+        due = {sid: c.begun + c.sub.pending_msgs for sid, c in self._counted.items()}
+        try:
+            async with asyncio.timeout(timeout):
+                while due := {sid: n for sid, n in due.items() if (c := self._counted.get(sid)) and c.done < n}:
+                    self._progress.clear()
+                    await self._progress.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _subscribe(self, subject: str) -> Subscription:
+        sub = await self._nc.subscribe(subject, cb=self._handle)
+        self._counted[sub._id] = _Counted(sub)  # private: the id its messages carry
+        return sub
+
+    async def _unsubscribe(self, subs: list[Subscription]) -> None:
+        try:
+            await unsubscribe(subs)  # forgotten at the end whatever comes: none is waited for any more
+        finally:
+            for sub in subs:
+                self._counted.pop(sub._id, None)
+            self._progress.set()
+
+    async def _handle(self, msg: Msg) -> None:
+        counted = self._counted.get(msg.sid)
+        if counted is not None:
+            counted.begun += 1
+        try:
+            await self._handler(msg)
+        finally:
+            if counted is not None:
+                counted.done += 1
+            self._progress.set()
 
     async def _follow(self) -> None:
         while True:
@@ -179,12 +253,12 @@ class SenderSubscriptions:
             del self._until[sender]
         if not self._until:
             if self._all is None:
-                self._all = await self._nc.subscribe(self._all_subject, cb=self._handler)
+                self._all = await self._subscribe(self._all_subject)
             heard: set[str] = set()
         else:
             heard = set(self._workers()) - self._until.keys()
         for worker in heard - self._each.keys():
-            self._each[worker] = await self._nc.subscribe(self._one(worker), cb=self._handler)
+            self._each[worker] = await self._subscribe(self._one(worker))
         # The SUBs above are sent before these UNSUBs on the one connection, and nats-server takes a
         # connection's lines in order: a message is sent to the new subscription or the old one.
         gone = [self._each.pop(worker) for worker in self._each.keys() - heard]
@@ -192,4 +266,4 @@ class SenderSubscriptions:
             gone.append(self._all)
             self._all = None
         if gone:
-            await unsubscribe(gone)
+            await self._unsubscribe(gone)

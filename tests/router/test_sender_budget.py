@@ -249,6 +249,46 @@ async def test_no_message_of_a_worker_heard_throughout_is_lost_as_the_subscripti
     assert sorted(set(seen)) == list(range(1, sent + 1))
 
 
+@pytest.mark.parametrize("switching", [False, True])
+async def test_caught_up_returns_once_what_was_sent_before_went_through_the_handler(
+    nats_url: str, ns: str, switching: bool
+) -> None:
+    """The barrier a report ahead of the KV index waits for before it judges batches lost
+    (router.kv_ingest): what nats-server sent before, on its way or queued behind a slow handler,
+    handled first, and a subscription dropped meanwhile (a quarantine's switch) has its queue handled."""
+    nc = await nats.connect(nats_url)
+    pub = await nats.connect(nats_url)
+    seen: list[int] = []
+
+    async def handler(msg: Msg) -> None:
+        seen.append(int(msg.data))
+        await asyncio.sleep(0.002)  # a backlog builds behind it
+
+    subs = SenderSubscriptions(
+        nc, subjects.kv_all(ns), partial(subjects.kv, ns), handler, lambda: ["h", "f"], what="KV event"
+    )
+    await subs.start()
+    try:
+        await flush(nc)
+        for i in range(300):
+            await pub.publish(subjects.kv(ns, "h"), str(i).encode())
+        await flush(pub)  # all of it at the server, sent on to nc
+        barrier = asyncio.create_task(subs.caught_up(10.0))
+        if switching:
+            subs.quarantine("f")  # the wildcard dropped for h's own subscription while the barrier waits
+        assert await barrier
+        assert seen == list(range(300))
+        for i in range(300, 400):  # and again, on whichever subscriptions hear h now
+            await pub.publish(subjects.kv(ns, "h"), str(i).encode())
+        await flush(pub)
+        assert await subs.caught_up(10.0)
+        assert set(seen) == set(range(400))
+    finally:
+        await subs.stop()
+        await nc.close()
+        await pub.close()
+
+
 async def test_slow_consumer_drops_are_counted_by_subscription(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="router.service")
     router = RouterService(RouterConfig(ns="t", nats=NatsSettings(servers=["nats://127.0.0.1:1"])))
