@@ -817,6 +817,16 @@ class KvIngest:
         why = f"its shim is at epoch {epoch:x} seq {seq}, the index at seq {sync.last_seq}"
         self._open_repair(state, dump=epoch != sync.epoch, why=f"lost batches: {why}")
 
+    def _barrier_late(self) -> None:
+        if not self._barrier_late_said:  # once until one ends in time
+            self._barrier_late_said = True
+            log.warning(
+                "KV batches reach this router more than %gs late (what NATS had sent its KV subscriptions was not "
+                "all handled in that time): its index trails its workers, and batches behind their load reports "
+                "are judged lost only once they catch up",
+                self._barrier_timeout_s,
+            )
+
     def _catch_up(self) -> None:
         """A KV barrier (SenderSubscriptions.caught_up), unless one is under way; at its end every
         worker waiting on it is judged again."""
@@ -830,16 +840,7 @@ class KvIngest:
         )
 
     async def _caught_up(self, number: int) -> None:
-        if not await self.subscriptions.caught_up(self._barrier_timeout_s):
-            if not self._barrier_late_said:  # once until one ends in time
-                self._barrier_late_said = True
-                log.warning(
-                    "KV batches reach this router more than %gs late (what NATS had sent its KV subscriptions was not "
-                    "all handled in that time): its index trails its workers, and batches behind their load reports "
-                    "are judged lost only once they catch up",
-                    self._barrier_timeout_s,
-                )
-            return
+        await self.subscriptions.caught_up(self._barrier_timeout_s, on_late=self._barrier_late)
         if self._barrier_late_said:
             self._barrier_late_said = False
             log.info("KV batches reach this router in time again")

@@ -212,23 +212,31 @@ def background(
     return task
 
 
-CANCEL_AGAIN_S = 1.0
+CANCEL_AGAIN_S = 10.0
+"""Longer than any cleanup a cancelled task awaits (a lease's revoke: 3 s a try, two tries): a
+second cancel cut that short at 1 s and left a new lease in etcd (a review of 2026-12-07)."""
 
 
-async def cancel_and_wait(task: asyncio.Task[Any], again_s: float = CANCEL_AGAIN_S) -> None:
-    """Cancel `task` and wait for its end, cancelling it again every `again_s` while it runs on.
+async def cancel_and_wait(task: asyncio.Task[Any], again_s: float | None = None) -> None:
+    """Cancel `task` and wait for its end, cancelling it again every `again_s` (CANCEL_AGAIN_S) while it runs on.
     A cancellation can be lost below a task (Python 3.11's asyncio and grpc.aio each can drop one
     that comes with an answer), and a task that loops then runs for good: a shim's stop waited on
     its registration's supervisor forever (a full test run of 2026-12-07, its loop idle in a
-    teardown; CI's like it had no trace). Said at WARNING when it had to cancel again. Its outcome
-    is retrieved, not raised: a crash was said as it came (background())."""
+    teardown; CI's like it had no trace). Said at WARNING when it had to cancel again. A caller
+    cancelled meanwhile cancels `task` again as it goes (as awaiting it did). Its outcome is
+    retrieved, not raised: a crash was said as it came (background())."""
+    every = CANCEL_AGAIN_S if again_s is None else again_s
     task.cancel()
     again = 0
-    while not task.done():
-        await asyncio.wait({task}, timeout=again_s)
-        if not task.done():
-            again += 1
-            task.cancel()
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=every)
+            if not task.done():
+                again += 1
+                task.cancel()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
     if again:
         _log.warning(
             "task %s ran on through its cancellation (lost below it): cancelled again %d time(s) before it ended",

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
+import runtime
 from discovery import Discovery, KeyTaken, Registration, RegistrationState
 from discovery.lease import MIN_LEASE_TTL
 from kvswitch.servers import EtcdServer
@@ -634,10 +635,13 @@ async def test_a_keep_alive_that_fails_with_its_revoke_waits_out_its_own_lease_a
         assert await reg.stop()
 
 
-async def test_a_stop_ends_a_supervisor_that_lost_its_cancellation(etcd_url: str, ns: str) -> None:
+async def test_a_stop_ends_a_supervisor_that_lost_its_cancellation(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A full test run of 2026-12-07 hung for good in a shim's stop: its registration's supervisor
     lost stop()'s cancellation below it (a call that swallowed it) and ticked on, and stop() waited
     on it without end. It is now cancelled again until it ends."""
+    monkeypatch.setattr(runtime, "CANCEL_AGAIN_S", 0.5)  # 10 s in service: longer than a revoke
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
         reg = _worker_reg(d, ns, ttl=3)
         await reg.start()

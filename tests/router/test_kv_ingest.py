@@ -1083,3 +1083,57 @@ async def test_a_router_behind_what_the_ring_bytes_hold_is_repaired_with_a_dump(
     finally:
         await pub.stop()
         await ingest.stop()
+
+
+async def test_a_batch_lost_under_a_kv_backlog_longer_than_the_barriers_bound_is_judged_lost(
+    nc: Client, ns: str, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A review of 2026-12-07: a barrier past its bound was given up and the next report began one
+    from a later snapshot, as far behind; under a steady backlog longer than the bound none ever
+    ended and a truly lost batch was never judged lost (10 barriers begun, none ended, in 5 s). A
+    late barrier is said and waited to its end."""
+    clock = Clock()
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, behind_grace_s=0.2,
+                      barrier_timeout_s=0.3, clock=clock)  # fmt: skip
+    await ingest.start()
+    assert nc.connected_url is not None
+    pub = await nats.connect(nc.connected_url.geturl())
+    try:
+        await synced_with(ingest, shim)
+        subs = ingest.subscriptions
+        real = subs._handler
+
+        async def slow(msg: Msg) -> None:
+            await asyncio.sleep(0.01)
+            await real(msg)
+
+        subs._handler = slow
+        other = FakeShim(pub, ns, "b1")
+        stop = asyncio.Event()
+
+        async def keep_backlog() -> None:  # a steady ~0.5 s backlog on the KV connection
+            while not stop.is_set():
+                if subs._all is not None and subs._all.pending_msgs < 40:
+                    await other.publish(Stored(hashes=[1]))
+                await asyncio.sleep(0.005)
+
+        feeder = asyncio.create_task(keep_backlog())
+        try:
+            await asyncio.sleep(1.0)
+            await shim.publish(Stored(hashes=[7]), drop=True)  # truly lost
+            report = LoadReport(worker="a1", ts=0.0, kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=1, kv_xor=7)
+            with caplog.at_level(logging.WARNING, logger="router.kv_ingest"):
+                async with asyncio.timeout(20):
+                    t = 0.0
+                    while not ingest.stats.digest_lags:  # the backlog goes on all along
+                        t += 0.25
+                        clock.now = t
+                        ingest.check_digest(report)  # a load report every 0.25 s
+                        await asyncio.sleep(0.25)
+        finally:
+            stop.set()
+            await feeder
+        assert any("more than 0.3s late" in r.getMessage() for r in caplog.records)
+    finally:
+        await pub.close()
+        await ingest.stop()

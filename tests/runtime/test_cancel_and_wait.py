@@ -52,3 +52,16 @@ async def test_a_crash_is_retrieved_not_raised() -> None:
     await asyncio.sleep(0)
     await cancel_and_wait(task)  # no "exception was never retrieved", no raise
     assert isinstance(task.exception(), RuntimeError)
+
+
+async def test_a_caller_cancelled_meanwhile_cancels_the_task_again() -> None:
+    """A review of 2026-12-07: awaiting the task passed the caller's cancellation on to it; the
+    wait did not, and a task that had lost its first cancellation ran on, orphaned."""
+    ticks: list[int] = []
+    task = asyncio.create_task(_swallows(1, ticks))
+    await asyncio.sleep(0.05)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await cancel_and_wait(task, again_s=10.0)
+    await asyncio.sleep(0.05)
+    assert task.cancelled()
