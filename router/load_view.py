@@ -10,13 +10,9 @@ booking stops counting once a report covers it:
 - prefill tokens count while the prefill is not done AND no report from that worker is at least as
   new as the booking (`report.ts >= booked_at`). A report that new was generated after the request
   was dispatched, so the shim's `prefill_tokens_queued` includes it (a shim reports on change).
-- decode blocks count until the prefill is done AND a report whose engine reading is at least as
-  new as that moment has arrived (`report.engine_ts`, else `ts`): the engine allocates a request's
-  blocks when it schedules it, and from then on `kv_used_blocks` includes them (and their growth
-  while decoding). A report repeats an older reading (a heartbeat, or a stale one: TensorRT-LLM's
-  `/metrics` answering `[]` or held while its engine works, where the shim floors `running` at its
-  legs in flight but its `kv_used_blocks` stays as last read); until 2026-12-07 `ts` covered the
-  blocks, and a stale report read a worker decoding 8 requests at 0 active blocks, as if idle.
+- decode blocks count until the prefill is done AND a report at least as new as that moment has
+  arrived: the engine allocates a request's blocks when it schedules it, and from then on
+  `kv_used_blocks` includes them (and their growth while decoding).
 
 Timestamps are wall-clock (`time.time`, like `LoadReport.ts`): the rule assumes the router and
 shims keep NTP time. Skew only shifts when a booking hands over to the reports: a shim clock behind
@@ -122,8 +118,8 @@ class _WorkerBookings:
 
     A booking's prefill tokens stop counting when its prefill is done or a report with
     `ts >= booked_at` arrives; the request itself (`requests`, beside the report's running and
-    waiting) when such a report arrives; its blocks when a report whose engine reading is at least
-    as new arrives (`engine_ts >= prefill_done_at`, `ts` where the shim sends none). Two
+    waiting) when such a report arrives; its blocks when a report with `ts >= prefill_done_at`
+    arrives. Two
     heaps order the bookings by those times so `cover(report_ts)` pops exactly the ones a report
     covers; entries of bookings that stopped counting otherwise are skipped when popped, and the
     heaps are rebuilt when such entries outnumber the live ones (a worker that never reports).
@@ -169,15 +165,14 @@ class _WorkerBookings:
         self._uncount_blocks(booking)
         self._uncount_request(booking)
 
-    def cover(self, report_ts: float, engine_ts: float) -> None:
-        """Stop counting what a report generated at `report_ts`, of an engine reading made at
-        `engine_ts`, includes."""
+    def cover(self, report_ts: float) -> None:
+        """Stop counting what a report generated at `report_ts` includes."""
         by_booked, by_done = self._by_booked, self._by_done
         while by_booked and by_booked[0][0] <= report_ts:
             booking = heapq.heappop(by_booked)[2]
             self._uncount_prefill(booking)
             self._uncount_request(booking)
-        while by_done and by_done[0][0] <= engine_ts:
+        while by_done and by_done[0][0] <= report_ts:
             self._uncount_blocks(heapq.heappop(by_done)[2])
         by_released = self._by_released
         while by_released and by_released[0][0] <= report_ts:
@@ -231,13 +226,6 @@ class _Report:
     report: LoadReport
     received_at: float  # of the worker's latest report, taken or not
     covers: float  # the newest stamp taken from the worker: what it covered stays covered
-    covers_blocks: float  # ... and the newest engine reading's (_engine_stamp)
-
-
-def _engine_stamp(report: LoadReport) -> float:
-    """When the report's engine figures were read: `engine_ts`, or `ts` where it is 0 (the shim
-    read none) or past `ts` (no reading comes after its report)."""
-    return report.engine_ts if 0 < report.engine_ts <= report.ts else report.ts
 
 
 _NO_REPORT = float("-inf")
@@ -262,14 +250,13 @@ class LoadView:
             report = msgspec.structs.replace(report, ts=now + MAX_CLOCK_SKEW_S)
         held = self._reports.get(report.worker)
         if held is None:
-            self._reports[report.worker] = _Report(report, now, report.ts, _engine_stamp(report))
+            self._reports[report.worker] = _Report(report, now, report.ts)
             return None
         back = held.report.ts - report.ts
         if 0 < back <= MAX_REORDER_S:
-            self._reports[report.worker] = _Report(held.report, now, held.covers, held.covers_blocks)
+            self._reports[report.worker] = _Report(held.report, now, held.covers)
             return None
-        covers_blocks = max(_engine_stamp(report), held.covers_blocks)
-        self._reports[report.worker] = _Report(report, now, max(report.ts, held.covers), covers_blocks)
+        self._reports[report.worker] = _Report(report, now, max(report.ts, held.covers))
         return back if back > 0 else None
 
     def liveness(self, worker: str) -> Liveness | None:
@@ -386,7 +373,7 @@ class LoadView:
         if on_worker is None:
             return False
         held = self._reports.get(booking.worker)
-        self._cover(on_worker, held)  # as load() would first
+        on_worker.cover(held.covers if held is not None else _NO_REPORT)  # as load() would first
         return (
             (booking.blocks_counted and booking.decode_blocks > 0)
             or (booking.prefill_counted and booking.prefill_tokens > 0)
@@ -422,7 +409,7 @@ class LoadView:
         prefill = blocks = released = requests = 0
         on_worker = self._by_worker.get(worker)
         if on_worker is not None:
-            self._cover(on_worker, held)
+            on_worker.cover(held.covers if held is not None else _NO_REPORT)
             released = on_worker.released(held.report.ts) if held is not None else 0
             prefill, blocks, requests = on_worker.prefill, on_worker.blocks, on_worker.requests
             if not on_worker.bookings and not on_worker.holds_releases:
@@ -450,13 +437,6 @@ class LoadView:
             decode_context=r.decode_context,
             booked_requests=requests,
         )
-
-    @staticmethod
-    def _cover(on_worker: _WorkerBookings, held: _Report | None) -> None:
-        if held is None:
-            on_worker.cover(_NO_REPORT, _NO_REPORT)
-        else:
-            on_worker.cover(held.covers, held.covers_blocks)
 
     def bookings(self, worker: str) -> int:
         """Live bookings (any router's) on `worker`, covered by a report or not."""

@@ -18,12 +18,8 @@ end is an INFO. A /metrics that alternates good and bad answers logged a WARNING
 A stale reading (EngineLoad.stale: the engine gave nothing new, its last figures repeated) is no
 failure, but no idle figure is published from it: its running requests are raised to the shim's
 own legs in flight less those it reports waiting, and `engine_ts` stays at the last fresh
-reading's, or, with none yet, is the reporter's start (its figures were read before, or are none):
-routers take a request's KV blocks as counted in `kv_used_blocks` only from a reading as new as its
-first token (router.load_view), so a report of repeated figures leaves them booked (`engine_ts`
-0 would have them taken at the report's `ts`). Until 2026-12-07 TensorRT-LLM's repeated idle load
-went out as current while a burst ran on the engine, then its requests alone were floored: a worker
-decoding 8 requests still read 0 active blocks.
+reading's. Until 2026-12-07 TensorRT-LLM's repeated idle load went out as current while a burst
+ran on the engine.
 
 While the NATS connection is down no report is published: nats-py would keep it in its reconnect
 buffer and send it, stale, once NATS is back, where the newest report supersedes every older one (a
@@ -115,7 +111,6 @@ class LoadReporter:
         self.polls_failed: Counter[str] = Counter() if polls_failed is None else polls_failed
         self._engine = EngineLoad()
         self._engine_at = 0.0
-        self._started_at = time.time()  # no figure a stale reading repeats is newer (module docstring)
         self.healthy = True  # what the reports say of the engine: False while its load polls fail
         self.error = ""  # why the last poll failed, shortened; "" while healthy
         self._episodes = Throttle(EPISODE_SAID_S)  # a failing episode's start, said by kind
@@ -213,8 +208,6 @@ class LoadReporter:
                 self._engine = reading
                 if not reading.stale:
                     self._engine_at = (asked + time.time()) / 2  # the engine rendered them in between
-                elif not self._engine_at:
-                    self._engine_at = self._started_at
                 if self._episode is not None:
                     since, failed = self._episode
                     log.info("load polls work again after %.1fs (%d failed)", time.monotonic() - since, failed)

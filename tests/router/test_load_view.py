@@ -216,46 +216,6 @@ def test_decode_blocks_count_until_a_report_after_the_first_token(view: LoadView
     assert view.bookings("w1") == 1  # still in flight, just covered
 
 
-def report_at(ts: float, engine_ts: float, **kw: int) -> LoadReport:
-    return LoadReport(worker="w1", ts=ts, engine_ts=engine_ts, **kw)  # type: ignore[arg-type]
-
-
-def test_decode_blocks_count_until_a_report_of_an_engine_reading_after_the_first_token(
-    view: LoadView, clock: Clock
-) -> None:
-    """A report repeating an older engine reading (TensorRT-LLM's stale /metrics: the shim floors
-    `running` at its legs in flight, `kv_used_blocks` stays as last read, `engine_ts` at the last
-    fresh reading) covers the requests it counts, not their blocks. Until 2026-12-07 `ts` covered
-    them: a worker decoding 8 requests read 0 active blocks, as an idle one."""
-    read_at = clock.now - 5.0  # the idle engine's last fresh reading
-    for i in range(8):
-        view.book(f"r{i}", "w1", 2000, 69)
-    clock.now += 1.0
-    for i in range(8):
-        view.prefill_done(f"r{i}")
-    clock.now += 0.5
-    view.update(report_at(clock.now, read_at, running=8, kv_used_blocks=0))
-    load = view.load("w1")
-    assert (load.running, load.booked_requests, load.active_blocks) == (8, 0, 8 * 69)
-    assert load.prefill_tokens_queued == 0
-    clock.now += 0.5
-    view.update(report_at(clock.now, clock.now - 0.1, running=8, kv_used_blocks=560))  # a fresh reading
-    assert view.load("w1").active_blocks == 560
-    clock.now += 0.5
-    view.update(report_at(clock.now, 0.0, running=8, kv_used_blocks=561))  # no reading stamp: at ts
-    assert view.load("w1").active_blocks == 561
-
-
-def test_a_report_with_no_engine_stamp_or_one_past_its_own_covers_blocks_by_its_ts(
-    view: LoadView, clock: Clock
-) -> None:
-    view.book("r1", "w1", 2000, 130)
-    view.prefill_done("r1")
-    clock.now += 0.1
-    view.update(report_at(clock.now, clock.now + 5.0, kv_used_blocks=130))  # engine_ts past ts: at ts
-    assert view.load("w1").active_blocks == 130
-
-
 def test_free_drops_every_booking_of_the_request(view: LoadView) -> None:
     view.book("r1", "prefill1", 3000, 0)
     view.book("r1", "decode1", 0, 200)

@@ -456,27 +456,6 @@ async def test_a_flapping_metrics_is_counted_by_kind_and_said_once_a_minute_with
     assert len(recovered) == 2 and all(m.startswith("load polls work again after ") for m in recovered), recovered
 
 
-async def test_stale_readings_before_any_fresh_one_are_stamped_with_the_reporters_start() -> None:
-    """A TensorRT-LLM registered idle reads [] (stale) until its first iteration: its figures are
-    older than the worker. `engine_ts` 0 would have routers take them as read at each report's `ts`,
-    covering the KV blocks of every request booked before: a worker decoding 8 read idle."""
-    before = time.time()
-    adapter = _Reading(EngineLoad(stale=True))
-    reporter = LoadReporter(_CountingNats(), "t", "w1", adapter, lambda: 0, 100, legs_in_flight=lambda: 8,  # type: ignore[arg-type]
-                            period_s=0.05, poll_s=0.02)  # fmt: skip
-    after = time.time()
-    reporter.start()
-    try:
-        await wait_for(lambda: reporter.report().running == 8, what="a stale reading")
-        await asyncio.sleep(0.1)
-        report = reporter.report()
-        assert before <= report.engine_ts <= after < report.ts
-        adapter.reading = EngineLoad(running=8)
-        await wait_for(lambda: reporter.report().engine_ts > after, what="a fresh reading")
-    finally:
-        await reporter.stop()
-
-
 @pytest.mark.parametrize(("running", "waiting", "legs", "published"), [(0, 0, 3, 3), (0, 1, 3, 2), (5, 0, 3, 5)])
 async def test_a_stale_reading_publishes_no_fewer_requests_than_the_shims_legs_in_flight(
     running: int, waiting: int, legs: int, published: int
