@@ -24,8 +24,10 @@ from worker_shim.shim import WorkerShim
     ],
 )
 def test_the_record_says_whether_its_engine_prefills_locally(engine: str, role: ShimRole, local: bool) -> None:
-    extra = {"bootstrap_host": "10.0.0.5"} if engine == "sglang" and role == "prefill" else {}
-    cfg = ShimConfig(engine=engine, model="m", role=role, kv_events="tcp://127.0.0.1:9", **extra)  # type: ignore[arg-type]
+    extra: dict[str, str] = {"bootstrap_host": "10.0.0.5"} if engine == "sglang" and role == "prefill" else {}
+    if engine != "trtllm":  # TensorRT-LLM's events are polled over HTTP: the ZMQ flag is refused with it
+        extra["kv_events"] = "tcp://127.0.0.1:9"
+    cfg = ShimConfig(engine=engine, model="m", role=role, **extra)  # type: ignore[arg-type]
     shim = WorkerShim(cfg.validate(), NatsSettings(servers=["nats://127.0.0.1:1"]), EtcdSettings(endpoints=["x"]))
     shim.limits = dataclasses.replace(shim.limits, block_size=16)
     assert shim._info("w1").local_prefill is local
