@@ -840,8 +840,8 @@ class KvIngest:
         )
 
     async def _caught_up(self, number: int) -> None:
-        await self.subscriptions.caught_up(self._barrier_timeout_s, on_late=self._barrier_late)
-        if self._barrier_late_said:
+        in_time = await self.subscriptions.caught_up(self._barrier_timeout_s, on_late=self._barrier_late)
+        if in_time and self._barrier_late_said:
             self._barrier_late_said = False
             log.info("KV batches reach this router in time again")
         self._barriers_ended = number

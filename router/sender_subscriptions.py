@@ -190,13 +190,22 @@ class SenderSubscriptions:
     async def caught_up(self, timeout: float, on_late: Callable[[], None] | None = None) -> bool:
         """Whether every message nats-server sent these subscriptions before this call has gone
         through the handler; False once that takes past `timeout` s (about; twice at worst). With
-        `on_late`, that is called instead, once, and the wait goes on to the end: a barrier given
+        `on_late`, that is called, once, and the wait goes on to the end (False then too: it did not
+        end in time): a barrier given
         up and begun anew from a later snapshot never ended under a steady backlog longer than
         `timeout`, and no batch was ever judged lost (a review of 2026-12-07). A connection down,
         or dropping meanwhile, has its queued messages handled and no more waited for: what the
         server had not delivered then never comes."""
         loop = asyncio.get_running_loop()
-        late = loop.call_later(timeout, on_late) if on_late is not None else None
+        in_time = True
+
+        def said_late() -> None:
+            nonlocal in_time
+            in_time = False
+            if on_late is not None:
+                on_late()
+
+        late = loop.call_later(timeout, said_late) if on_late is not None else None
         try:
             while self._nc.is_connected:
                 try:
@@ -205,6 +214,7 @@ class SenderSubscriptions:
                 except FlushTimeoutError:
                     if late is None and self._nc.is_connected:
                         return False
+                    await asyncio.sleep(min(1.0, timeout))  # no hot loop should a flush fail at once
                 except NatsError:
                     break  # closed or dropped meanwhile
             # The PONG was read after those messages: each is in its subscription's queue, or handled.
@@ -217,7 +227,7 @@ class SenderSubscriptions:
                         await self._progress.wait()
             except TimeoutError:
                 return False
-            return True
+            return in_time
         finally:
             if late is not None:
                 late.cancel()

@@ -1137,3 +1137,47 @@ async def test_a_batch_lost_under_a_kv_backlog_longer_than_the_barriers_bound_is
     finally:
         await pub.close()
         await ingest.stop()
+
+
+async def test_late_barriers_in_a_row_are_said_once_and_none_called_in_time(
+    nc: Client, ns: str, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A review of 2026-12-07: a late barrier waited to its end then said "in time again", so
+    under a steady backlog each barrier logged a WARNING and a false INFO. Three late barriers in
+    a row: one WARNING, no "in time again"."""
+    clock = Clock()
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, behind_grace_s=0.2,
+                      barrier_timeout_s=0.3, clock=clock)  # fmt: skip
+    await ingest.start()
+    gate = asyncio.Event()
+    try:
+        await synced_with(ingest, shim)
+        subs = ingest.subscriptions
+        real = subs._handler
+
+        async def held(msg: Msg) -> None:
+            await gate.wait()
+            await real(msg)
+
+        subs._handler = held
+        t = 0.0
+        with caplog.at_level(logging.INFO, logger="router.kv_ingest"):
+            for i in range(3):
+                gate.clear()
+                await shim.publish(Stored(hashes=[7 + i]))
+                report = LoadReport(worker="a1", ts=0.0, kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=1, kv_xor=0)
+                begun = ingest._barriers_begun
+                async with asyncio.timeout(10):
+                    while ingest._barriers_begun == begun:
+                        t += 0.25
+                        clock.now = t
+                        ingest.check_digest(report)
+                        await asyncio.sleep(0.05)
+                await asyncio.sleep(0.6)  # each barrier ends 0.6 s in: twice its 0.3 s bound
+                gate.set()
+                await until(lambda: ingest._barriers_ended == ingest._barriers_begun, 10, "the barrier's end")
+        said = [r.getMessage() for r in caplog.records if "late" in r.getMessage() or "in time" in r.getMessage()]
+        assert len(said) == 1 and "more than 0.3s late" in said[0], said
+    finally:
+        gate.set()
+        await ingest.stop()
