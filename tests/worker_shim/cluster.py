@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -202,6 +203,26 @@ class Follower:
                 for b in c.batches:
                     if b.seq == self.seq + 1:
                         self._apply(b)
+
+
+async def said_at_start(
+    flag: str, engine: str, ns: str, nats_url: str, etcd_url: str, caplog: Any, **config: Any
+) -> list[logging.LogRecord]:
+    """The shim's WARNING-or-above records naming `flag`, from a start and a stop with no engine
+    before it (it starts and waits for one); `config`: ShimConfig fields over the defaults."""
+    cfg = ShimConfig(
+        engine=engine,  # type: ignore[arg-type]
+        engine_url="http://127.0.0.1:9",
+        model="m",
+        kv_events="tcp://127.0.0.1:9" if engine != "trtllm" else None,
+        namespace=ns,
+        **config,
+    )
+    shim = WorkerShim(cfg, NatsSettings(servers=[nats_url]), EtcdSettings(endpoints=[etcd_url]))
+    with caplog.at_level(logging.WARNING, logger="worker_shim.shim"):
+        async with shim:
+            pass
+    return [r for r in caplog.records if flag in r.getMessage()]
 
 
 async def connect(url: str) -> Nats:

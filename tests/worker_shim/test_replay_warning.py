@@ -8,8 +8,7 @@ import logging
 
 import pytest
 
-from protocol.config import EtcdSettings, NatsSettings
-from worker_shim import ShimConfig, WorkerShim
+from tests.worker_shim.cluster import said_at_start
 from worker_shim.config import EngineKind
 
 
@@ -32,19 +31,7 @@ async def test_a_zmq_engine_without_kv_replay_is_said_at_start(
     etcd_url: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    cfg = ShimConfig(
-        engine=engine,
-        engine_url="http://127.0.0.1:9",  # no engine: the shim starts and waits for one
-        model="m",
-        kv_events="tcp://127.0.0.1:9" if engine != "trtllm" else None,
-        kv_replay=replay,
-        namespace=ns,
-    )
-    shim = WorkerShim(cfg, NatsSettings(servers=[nats_url]), EtcdSettings(endpoints=[etcd_url]))
-    with caplog.at_level(logging.WARNING, logger="worker_shim.shim"):
-        async with shim:
-            pass
-    said = [r for r in caplog.records if "--kv-replay" in r.getMessage()]
+    said = await said_at_start("--kv-replay", engine, ns, nats_url, etcd_url, caplog, kv_replay=replay)
     if not warned:
         assert said == []
         return

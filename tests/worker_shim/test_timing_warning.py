@@ -8,9 +8,8 @@ import logging
 
 import pytest
 
-from protocol.config import EtcdSettings, NatsSettings
 from protocol.timing import DEFAULT_PROFILE, profile_names
-from worker_shim import ShimConfig, WorkerShim
+from tests.worker_shim.cluster import said_at_start
 from worker_shim.config import EngineKind
 
 
@@ -27,20 +26,7 @@ async def test_an_engine_without_timing_counters_and_no_profile_is_said_at_start
     etcd_url: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    kv_events = "tcp://127.0.0.1:9" if engine != "trtllm" else None
-    cfg = ShimConfig(
-        engine=engine,
-        engine_url="http://127.0.0.1:9",  # no engine: the shim starts and waits for one
-        model="m",
-        kv_events=kv_events,
-        timing_profile=profile,
-        namespace=ns,
-    )
-    shim = WorkerShim(cfg, NatsSettings(servers=[nats_url]), EtcdSettings(endpoints=[etcd_url]))
-    with caplog.at_level(logging.WARNING, logger="worker_shim.shim"):
-        async with shim:
-            pass
-    said = [r for r in caplog.records if "--timing-profile" in r.getMessage()]
+    said = await said_at_start("--timing-profile", engine, ns, nats_url, etcd_url, caplog, timing_profile=profile)
     if not warned:
         assert said == []
         return
