@@ -138,6 +138,11 @@ class _ShimCollector(Collector):
             "kv_unknown_parent", "Stored chains dropped for an unknown parent", float(s.norm_stats.unknown_parent)
         )
         yield _counter(
+            "kv_unknown_removed",
+            "Evictions of blocks the shim does not hold (not those of a chain it dropped), ignored",
+            float(s.norm_stats.unknown_removed),
+        )
+        yield _counter(
             "kv_placeholders_dropped",
             "Offload tiers' blocks not credited: placeholders of blocks not held or of a sliding window, "
             "and every store of a tier that reports no eviction (STORAGE)",

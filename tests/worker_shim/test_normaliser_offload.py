@@ -211,3 +211,22 @@ def test_dropped_placeholders_are_counted_on_the_shims_metrics() -> None:
     name = "kvswitch_shim_kv_placeholders_dropped_total"
     text = shim.metrics_text().decode()
     assert [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name] == [2.0]
+
+
+def test_evictions_of_blocks_never_stored_are_counted_on_the_shims_metrics() -> None:
+    """Before 2026-12-07 the normaliser counted them and no metric showed it: a shim that missed
+    every store (events lost before it started) looked healthy."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from protocol.config import EtcdSettings, NatsSettings
+    from worker_shim.config import ShimConfig
+    from worker_shim.shim import WorkerShim
+
+    cfg = ShimConfig(engine="vllm", model="m", engine_url="http://127.0.0.1:1")
+    shim = WorkerShim(cfg, NatsSettings(servers=["nats://127.0.0.1:1"]), EtcdSettings(endpoints=["http://127.0.0.1:1"]))
+    n = Normaliser(B, stats=shim.norm_stats)
+    wire(n, [gpu([A], list(range(B)))], "map")
+    wire(n, [BlockRemoved(block_hashes=[A, CHILD, 0x3333])], "map")
+    name = "kvswitch_shim_kv_unknown_removed_total"
+    text = shim.metrics_text().decode()
+    assert [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name] == [2.0]
