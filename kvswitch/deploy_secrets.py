@@ -35,13 +35,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvswitch.etcd_auth import EtcdAuthError, PasswordsRefused, enable_auth, namespace_users
-from kvswitch.nats_auth import MAX_RESPONSE_TTL_S, NatsAuthPlan
+from kvswitch.nats_auth import MAX_RESPONSE_TTL_S, RESPONSE_TTL_S, NatsAuthPlan
 from protocol import subjects
 from protocol.errors import without_userinfo
 
 __all__ = ["add_arguments", "run"]
 
-RESPONSE_TTL_S = NatsAuthPlan.response_ttl_s  # --response-ttl's default
 PASSWORD_ENV = {role: f"KVSWITCH_ETCD_{role.upper()}_PASSWORD" for role in ("root", "router", "worker")}
 
 

@@ -33,6 +33,7 @@ from protocol.messages import Role
 __all__ = [
     "MAX_RESPONSE_TTL_S",
     "RESPONSE_MAX",
+    "RESPONSE_TTL_S",
     "IdentityRole",
     "NatsAuthPlan",
     "NatsIdentity",
@@ -42,6 +43,9 @@ __all__ = [
 
 IdentityRole = Literal["router", "worker"]
 RESPONSE_MAX = 1_000_000
+RESPONSE_TTL_S = 900
+"""How long a worker may keep replying to one request, by default: above the router's default
+--request-timeout (600 s), as it must be."""
 ENGINE_ROLES: tuple[str, ...] = get_args(Role)
 
 
@@ -102,7 +106,7 @@ class NatsAuthPlan:
 
     ns: str
     identities: list[NatsIdentity]
-    response_ttl_s: int = 900
+    response_ttl_s: int = RESPONSE_TTL_S
 
     def __post_init__(self) -> None:
         subjects.validate_namespace(self.ns)
@@ -124,7 +128,7 @@ class NatsAuthPlan:
         routers: list[str],
         workers: list[str],
         *,
-        response_ttl_s: int = 900,
+        response_ttl_s: int = RESPONSE_TTL_S,
         seeds_dir: Path | None = None,
     ) -> NatsAuthPlan:
         """New identities, reusing any seed already in `seeds_dir` (so re-running adds workers

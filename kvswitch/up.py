@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvswitch.cluster import POOLS, STOP_GRACE_S, ClusterSpec, LocalCluster, RestartPolicy, shim_argv
-from kvswitch.nats_auth import NatsAuthPlan
+from kvswitch.nats_auth import RESPONSE_TTL_S
 from kvswitch.servers import FREE_PORTS_ENV, ServerError, port_range, symlinked
 from protocol import ConfigError, subjects
 from protocol.config import RouterSettings, resolve
@@ -457,7 +457,7 @@ def _check_response_ttl(request_timeout_s: float) -> None:
     expires, so a request running past it failed. Refused, not a TTL derived from the deadline:
     up's secure cluster keeps the TTL `kvswitch secrets` writes by default, and that is where a
     longer one is given (docs/security.md)."""
-    ttl = NatsAuthPlan.response_ttl_s
+    ttl = RESPONSE_TTL_S
     if request_timeout_s >= ttl:
         raise ConfigError(
             "request_timeout",
