@@ -3,20 +3,19 @@ of a new `type`, sync entries of a new `kind` (protocol.messages.decode_extensib
 of their message, and the rest of it is applied: docs/decisions.md, "Kinds a newer kvswitch
 adds"). Counted by kind for /metrics; the caller says them once per sender.
 
-The kinds are the sender's strings, so the label values are capped, as the shim caps an engine's
-(worker_shim.unknown_event_types): the first MAX_KINDS kinds seen, each at most MAX_KIND_CHARS
-long, count under their own name, any other under OTHER.
+The kinds are the sender's strings, so the label values are capped (protocol.capped_labels), as
+the shim caps an engine's event types.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["MAX_KINDS", "MAX_KIND_CHARS", "OTHER", "NewerKinds", "shown"]
+from protocol.capped_labels import MAX_LABEL_CHARS as MAX_KIND_CHARS
+from protocol.capped_labels import MAX_LABELS as MAX_KINDS
+from protocol.capped_labels import OTHER, capped_label
 
-MAX_KINDS = 8
-MAX_KIND_CHARS = 64
-OTHER = "other"
+__all__ = ["MAX_KINDS", "MAX_KIND_CHARS", "OTHER", "NewerKinds", "shown"]
 
 
 class NewerKinds:
@@ -28,8 +27,7 @@ class NewerKinds:
     def add(self, kinds: Mapping[str, int]) -> None:
         """Count the items of each kind in `kinds` left out of one message."""
         for kind, n in kinds.items():
-            own = len(kind) <= MAX_KIND_CHARS and (kind in self.counts or len(self.counts) < MAX_KINDS)
-            label = kind if own else OTHER
+            label = capped_label(self.counts, kind)
             self.counts[label] = self.counts.get(label, 0) + n
 
 

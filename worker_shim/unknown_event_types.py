@@ -3,20 +3,20 @@
 Not malformed: an engine newer than the shim may add a type (vLLM 0.32 sends BlockStored,
 BlockRemoved and AllBlocksCleared). Dropping one is still no small thing: a BlockStored renamed
 so (say "BlockStoredV2") leaves every chain under it with an unknown parent, so it must show. The
-types are the engine's strings, so the label values are capped: the first `MAX_TYPES` types seen,
-each at most `MAX_TYPE_CHARS` long, count under their own name, any other under "other".
+types are the engine's strings, so the label values are capped (protocol.capped_labels).
 """
 
 from __future__ import annotations
 
 import logging
 
+from protocol.capped_labels import MAX_LABEL_CHARS as MAX_TYPE_CHARS
+from protocol.capped_labels import MAX_LABELS as MAX_TYPES
+from protocol.capped_labels import OTHER, capped_label
+
 __all__ = ["MAX_TYPES", "MAX_TYPE_CHARS", "OTHER", "UnknownEventTypes"]
 
 log = logging.getLogger(__name__)
-MAX_TYPES = 8
-MAX_TYPE_CHARS = 64
-OTHER = "other"
 
 
 class UnknownEventTypes:
@@ -27,8 +27,7 @@ class UnknownEventTypes:
         self.counts: dict[str, int] = {}
 
     def add(self, engine: str, event_type: str) -> None:
-        own = len(event_type) <= MAX_TYPE_CHARS and (event_type in self.counts or len(self.counts) < MAX_TYPES)
-        label = event_type if own and event_type != OTHER else OTHER
+        label = capped_label(self.counts, event_type)
         first = label not in self.counts
         self.counts[label] = self.counts.get(label, 0) + 1
         if not first:
