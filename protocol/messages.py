@@ -49,8 +49,10 @@ __all__ = [
     "RouterSync",
     "SamplingParams",
     "Stored",
+    "SyncBooking",
     "SyncEntry",
     "SyncKind",
+    "SyncSnapshot",
     "TransferHandle",
     "Usage",
     "WorkerId",
@@ -432,9 +434,33 @@ class SyncEntry(msgspec.Struct, kw_only=True):
     blocks: int = 0
 
 
+class SyncBooking(msgspec.Struct, kw_only=True):
+    """One live booking of the sender's, as it stood when its `SyncSnapshot` was taken."""
+
+    request_id: str
+    worker: str
+    tokens: int = 0
+    blocks: int = 0
+    prefill_done: bool = False
+
+
+class SyncSnapshot(msgspec.Struct, kw_only=True):
+    """Part `part` of `parts` of snapshot `seq` (increasing per sender) of the sender's live
+    bookings, sent after every entry queued before it was taken (2026-12-07, an addition to
+    DESIGN.md's sync: docs/decisions.md, "Snapshots of a router's bookings"). A reader drops the
+    sender's bookings that a whole snapshot leaves out, and adds or corrects those it names: a lost
+    message heals within one snapshot period. An older router ignores the field."""
+
+    seq: int
+    part: int
+    parts: int
+    bookings: list[SyncBooking]
+
+
 class RouterSync(_Msg, kw_only=True):
     router: str
     entries: list[SyncEntry]
+    snapshot: SyncSnapshot | None = None
 
 
 # --- etcd values ------------------------------------------------------------------------------------

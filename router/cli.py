@@ -39,6 +39,7 @@ from protocol.kv_budget import KV_BATCH_BURST, KV_BATCHES_PER_S, KV_MIB_BURST, K
 from router.api_keys import ApiKeys, ApiKeysError
 from router.content_format import CONTENT_FORMATS
 from router.kv_ingest import MIN_ENTRY_LIMIT
+from router.replica_sync import SYNC_SNAPSHOT_S, SYNC_SNAPSHOT_S_RANGE
 from router.route_info import ROUTE_INFO, check_route_info
 from router.sender_budget import KvBudget
 from runtime import LogConfigError, configure_logging, run_service, start_or_stop
@@ -146,6 +147,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-budget-mib-burst", type=float, default=None, metavar="MIB",
         help=f"the MiB a worker's subject may carry at once above that rate (default {KV_MIB_BURST:g})",
     )  # fmt: skip
+    parser.add_argument(
+        "--sync-snapshot-s", type=float, default=None, metavar="S",
+        help=f"how often this router sends its peers a snapshot of its live bookings, which heals a sync message "
+        f"lost on the way within that (default {SYNC_SNAPSHOT_S:g}; {SYNC_SNAPSHOT_S_RANGE[0]:g} to "
+        f"{SYNC_SNAPSHOT_S_RANGE[1]:g})",
+    )  # fmt: skip
     routing = parser.add_argument_group("routing (live-tunable at /{ns}/config/router)")
     add_flags(routing, RouterSettings)
     conn = parser.add_argument_group("NATS and etcd")
@@ -189,6 +196,7 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     kv_budget_batch_burst: float = KV_BATCH_BURST
     kv_budget_mib_per_s: float = KV_MIB_PER_S
     kv_budget_mib_burst: float = KV_MIB_BURST
+    sync_snapshot_s: float = SYNC_SNAPSHOT_S  # router.replica_sync's snapshot period
 
     @property
     def kv_budget(self) -> KvBudget:
@@ -220,6 +228,15 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
                 "CPU or disk KV tier holds more)",
             )
         self.kv_budget.validate()
+        least, most = SYNC_SNAPSHOT_S_RANGE
+        if not least <= self.sync_snapshot_s <= most:  # NaN fails both
+            raise ConfigError(
+                "sync_snapshot_s",
+                self.sync_snapshot_s,
+                f"must be a number of seconds in [{least:g}, {most:g}] (default {SYNC_SNAPSHOT_S:g}): each snapshot "
+                "holds every live booking of this router and every peer reads it; at most half the 600 s after "
+                "which a peer drops a booking no snapshot named",
+            )
         # The one check of --route-info as the flag, KVSWITCH_ROUTE_INFO or --config gives it
         # (argparse's `choices` saw the flag alone, and said it in words of its own).
         check_route_info(self.route_info)
@@ -368,6 +385,7 @@ def build_config(args: argparse.Namespace) -> Any:
         default_chat_template_kwargs=proc.default_chat_template_kwargs,
         index_limit_per_worker=proc.index_limit_per_worker,
         kv_budget=proc.kv_budget,
+        sync_snapshot_s=proc.sync_snapshot_s,
     )
 
 

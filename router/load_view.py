@@ -54,7 +54,7 @@ import msgspec
 from protocol.config import MAX_LOAD_PERIOD_S, MIN_LOAD_PERIOD_S
 from protocol.messages import LoadReport
 
-__all__ = ["MAX_CLOCK_SKEW_S", "MAX_REORDER_S", "Expired", "Liveness", "LoadView", "WorkerLoad"]
+__all__ = ["MAX_CLOCK_SKEW_S", "MAX_REORDER_S", "Expired", "Held", "Liveness", "LoadView", "WorkerLoad"]
 
 INFLOW_TAU_S = 10.0
 """Time constant of `prefill_inflow`, the exponentially weighted rate of prefill tokens booked on
@@ -107,6 +107,7 @@ class _Booking:
     prefill_tokens: int
     decode_blocks: int
     booked_at: float
+    confirmed_at: float  # booked, or last named by its router's snapshot: `expire` counts from it
     prefill_done_at: float | None = None
     prefill_counted: bool = True  # in its worker's `prefill` sum: not done, no report covers it
     blocks_counted: bool = True  # in its worker's `blocks` sum
@@ -213,6 +214,16 @@ class _WorkerBookings:
             heapq.heapify(self._by_done)
 
 
+class Held(msgspec.Struct, frozen=True):
+    """One live booking as its router states it (router.replica_sync's snapshots)."""
+
+    request_id: str
+    worker: str
+    tokens: int
+    blocks: int
+    prefill_done: bool
+
+
 @dataclass(frozen=True, slots=True)
 class Expired:
     """One router's bookings dropped by `LoadView.expire`."""
@@ -305,14 +316,14 @@ class LoadView:
         for old in [b for b in bookings if b.worker == worker]:
             bookings.remove(old)
             self._by_worker[worker].discard(old)
-        booking = _Booking(router, request_id, worker, prefill_tokens, decode_blocks, self._clock())
+        now = self._clock()
+        booking = _Booking(router, request_id, worker, prefill_tokens, decode_blocks, now, now)
         bookings.append(booking)
         on_worker = self._by_worker.get(worker)
         if on_worker is None:
             on_worker = self._by_worker[worker] = _WorkerBookings()
         on_worker.add(booking)
         if prefill_tokens:
-            now = booking.booked_at
             self._inflow[worker] = (self._inflow_at(worker, now) + prefill_tokens / INFLOW_TAU_S, now)
 
     def _inflow_at(self, worker: str, now: float) -> float:
@@ -333,13 +344,51 @@ class LoadView:
         for booking in self._by_request.pop((router, request_id), ()):
             self._drop_from_worker(booking)
 
+    def held(self, router: str | None = None) -> list[Held]:
+        """`router`'s live bookings (None: this router's)."""
+        return [
+            Held(b.request_id, b.worker, b.prefill_tokens, b.decode_blocks, b.prefill_done_at is not None)
+            for key, bookings in self._by_request.items()
+            if key[0] == router
+            for b in bookings
+        ]
+
+    def keys(self, router: str) -> set[tuple[str, str]]:
+        """(request_id, worker) of each of `router`'s live bookings."""
+        return {
+            (b.request_id, b.worker) for key, bookings in self._by_request.items() if key[0] == router for b in bookings
+        }
+
+    def confirm(self, request_id: str, worker: str, *, router: str) -> Held | None:
+        """`router` says its booking of the request on `worker` is live: its age for `expire`
+        starts again. Returns the booking as held here; None when none is."""
+        for b in self._by_request.get((router, request_id), ()):
+            if b.worker == worker:
+                b.confirmed_at = self._clock()
+                return Held(b.request_id, b.worker, b.prefill_tokens, b.decode_blocks, b.prefill_done_at is not None)
+        return None
+
+    def drop(self, request_id: str, worker: str, *, router: str) -> bool:
+        """Drop `router`'s booking of the request on `worker` alone; whether there was one."""
+        key = (router, request_id)
+        bookings = self._by_request.get(key, [])
+        for b in bookings:
+            if b.worker == worker:
+                bookings.remove(b)
+                if not bookings:
+                    del self._by_request[key]
+                self._drop_from_worker(b)
+                return True
+        return False
+
     def forget_router(self, router: str) -> int:
         """A peer router is gone: drop its bookings. Returns how many went."""
         keys = [k for k in self._by_request if k[0] == router]
         return sum(self._drop_key(k) for k in keys)
 
     def expire(self, max_age_s: float, *, peers_only: bool = True) -> dict[str | None, Expired]:
-        """Drop bookings older than `max_age_s` (a safety net for a `free` that never came), and
+        """Drop bookings booked or confirmed (`confirm`) longer than `max_age_s` ago (a safety net
+        for a `free` that never came), and
         what is held of a worker with no report, no booking and nothing newer (releases), or
         nothing left (a decayed `prefill_inflow`): a worker that left before a peer's booking on
         it arrived, whose releases no report will ever cover. Returns what went per router that
@@ -349,7 +398,7 @@ class LoadView:
         stale = [
             key
             for key, bookings in self._by_request.items()
-            if (key[0] is not None or not peers_only) and all(b.booked_at < cutoff for b in bookings)
+            if (key[0] is not None or not peers_only) and all(b.confirmed_at < cutoff for b in bookings)
         ]
         dropped: dict[str | None, Expired] = {}
         for key in stale:

@@ -485,9 +485,34 @@ def _sync_counters(s: SyncStats) -> Iterator[Metric]:
     )
     yield CounterMetricFamily(
         "kvswitch_router_sync_peer_bookings_expired",
-        "Peer routers' bookings dropped for age (peer_ttl_s): each is a free that never arrived",
+        "Peer routers' bookings dropped for age (peer_ttl_s), no snapshot naming them: each is a free that never "
+        "arrived from a router that sends no snapshot, or a peer whose snapshots stopped arriving",
         s.bookings_expired,
     )
+    yield CounterMetricFamily(
+        "kvswitch_router_sync_snapshots_sent",
+        "Snapshots of this router's live bookings published to its peers, each in one or more sync messages",
+        s.snapshots_sent,
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_sync_snapshots_taken",
+        "Peer routers' snapshots that came whole and in order: each dropped the bookings it left out",
+        s.snapshots_taken,
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_sync_snapshots_incomplete",
+        "Peer routers' snapshots with a part missing or out of order: they dropped nothing (the next one heals)",
+        s.snapshots_incomplete,
+    )
+    healed = CounterMetricFamily(
+        "kvswitch_router_sync_snapshot_healed",
+        "Peer routers' bookings their snapshots healed, each a sync message lost: added (an add), dropped (a "
+        "free), state (a prefill_done or a new booking)",
+        labels=["what"],
+    )
+    for what, n in s.healed.items():
+        healed.add_metric([what], n)
+    yield healed
     yield CounterMetricFamily(
         "kvswitch_router_sync_peers_forgotten",
         "Peer routers forgotten, their bookings dropped, when their key under /{ns}/routers/ went or its record "

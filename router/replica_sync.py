@@ -9,20 +9,32 @@ Only registered routers' bookings count: with `discovery`, this watches /{ns}/ro
 entries only from routers whose key is there (a forged or departed sender's are dropped and
 counted, an unknown sender's first message logged); a peer's bookings go when its key disappears,
 and a watch that crashes starts again.
-Without discovery (tests, the virtual clock) every sender counts and the owner calls
-`forget_router`. As a safety net against a lost `free` (NATS core is at-most-once), a peer's
-bookings older than `peer_ttl_s` expire. Each expiry pass says at WARNING, once per peer with its
-count (at most `_LOGGED_EXPIRED` peers named a pass, the rest in one line), the expired bookings
-that still counted in their worker's load (a decode booking with no prefill_done, or anything else
-LoadView.load still added): their free was lost, or their request ran longer than `peer_ttl_s`
-(its --request-timeout above that). Those no longer counted (their first token came and a report
-covers them: a long request's usual case) are only counted in
-kvswitch_router_sync_peer_bookings_expired_total.
+Without discovery (tests) every sender counts and the owner calls `forget_router`.
 
-A lost release is not reconciled sooner: the sync carries only add, prefill_done and free, with
-no snapshot or digest of a router's live bookings to compare on reconnect (DESIGN.md's
-{ns}.router.sync), so a stale booking counts until it expires (docs/router.md, "Lost releases");
-that needs a contract change.
+Lost messages heal within `snapshot_s` (docs/router.md, "Lost releases"). NATS core is
+at-most-once: a `free` published while NATS was down is flushed on reconnect, before peers have
+subscribed again, and each of them held the booking for `peer_ttl_s`. So every `snapshot_s` a
+replica that publishes at all ends a flush with a snapshot of its own live bookings
+(`RouterSync.snapshot`, an addition to DESIGN.md's sync: docs/decisions.md), taken as the flush's
+entries leave the view and split over messages as entries are; NATS keeps one connection's order,
+so a peer reads it after every entry sent before it. The peer books what it names and is missing
+(a lost add), corrects what it holds in another state (a lost prefill_done), and, once every part
+of it came in order, drops that router's bookings held at its part 0 that it left out and no add
+named since (a lost free); a part missing or out of order drops nothing (counted), and the next
+snapshot heals. A peer's first snapshot read here adds what this router came too late to hear:
+not a heal. The rest are counted by kind and said at WARNING once per peer a snapshot period (at
+most `_LOGGED_EXPIRED` peers named, the rest in one line): each is a message lost. A booking on a
+worker with no report here is not added: it left here first, or its first report is on its way.
+Snapshot bookings are checked as entries are (malformed ones counted, said once per peer, dropped).
+
+As the last safety net (a peer older than 2026-12-07 sends no snapshot), a peer's bookings that
+neither a release nor a snapshot touched for `peer_ttl_s` expire: a snapshot naming a booking
+starts its age again. Each expiry pass says at WARNING, once per peer with its count (at most
+`_LOGGED_EXPIRED` peers named a pass, the rest in one line), the expired bookings that still
+counted in their worker's load (a decode booking with no prefill_done, or anything else
+LoadView.load still added). Those no longer counted (their first token came and a report covers
+them: a long request's usual case) are only counted in
+kvswitch_router_sync_peer_bookings_expired_total.
 
 A peer's booking no request could make (more tokens than MAX_BOOKING, more blocks than the
 worker's KV capacity as its load reports say, or than MAX_BOOKING) is malformed: counted, logged
@@ -51,8 +63,8 @@ every router, uncapped).
 A router whose lease was lost registers anew under a new id (`rename`): peers dropped the old id's
 bookings with its key, and count the new id's from its registration on.
 
-A replica that has never sent anything publishes only while another router is registered: a lone
-replica then pays no encode, publish and echo per flush window. Once it has sent, it always
+A replica that has never sent anything publishes only while another router is registered, its
+snapshots too: a lone replica then pays no encode, publish and echo per flush window. Once it has sent, it always
 publishes: a peer whose key went (a lost lease) keeps running with our bookings, and without our
 frees would hold them for `peer_ttl_s`; with two replicas, no other key is there for that window.
 
@@ -65,6 +77,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -82,7 +95,9 @@ from protocol.messages import (
     NEWER_SCHEMA,
     RouterInfo,
     RouterSync,
+    SyncBooking,
     SyncEntry,
+    SyncSnapshot,
     decode_extensible,
     encode_msg,
     named_sender,
@@ -95,7 +110,7 @@ from router.peer_settings import PeerSettings
 from runtime import TickErrors, background, clipped, guarded
 from runtime.turns import Turns
 
-__all__ = ["ReplicaSync", "SyncStats"]
+__all__ = ["HEALED", "SYNC_SNAPSHOT_S", "SYNC_SNAPSHOT_S_RANGE", "ReplicaSync", "SyncStats"]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +118,22 @@ _MAX_ENTRIES_PER_MESSAGE = 2000  # ~100 KB of msgpack, well under NATS's 1 MB de
 _DEPARTED_MEMORY = 1024
 _LOGGED_SENDERS = 64  # unregistered senders named in the log; a forger minting ids gets no more lines
 _LOGGED_MALFORMED = 64  # (peer, slot)s whose malformed messages are logged, at a time
-_LOGGED_EXPIRED = 8  # peers named in one expiry pass's WARNINGs; the rest share one line
+_LOGGED_EXPIRED = 8  # peers named in one expiry or heal pass's WARNINGs; the rest share one line
+HEALED = ("added", "dropped", "state")
+"""What a peer's snapshot healed: a booking it names that was missing here (its add lost), one it
+leaves out that was held here (its free lost), one held here in another state (its prefill_done
+lost)."""
+SYNC_SNAPSHOT_S = 30.0
+"""How often a replica sends its peers a snapshot of its live bookings (--sync-snapshot-s)."""
+SYNC_SNAPSHOT_S_RANGE = (1.0, 300.0)
+"""--sync-snapshot-s's bounds. A snapshot holds every live booking (~100 bytes each: 5,000 in flight
+are 480 KB, read by every peer), so not more often than a second; at most half of `peer_ttl_s`
+(600 s), so a live booking is named again before it expires even when one snapshot is lost."""
+_HEALED_WORDS = {
+    "added": "booking(s) added (their add was lost)",
+    "dropped": "booking(s) dropped (their free was lost)",
+    "state": "booking(s) corrected (a prefill_done or a new booking of theirs was lost)",
+}
 MAX_BOOKING = 2**31
 """Tokens or blocks beyond any request's: no model's context, no engine's KV cache holds as many."""
 
@@ -123,6 +153,22 @@ class SyncStats:
     bookings_expired: int = 0
     unregistered: int = 0  # messages from routers with no key in etcd: dropped
     departed: int = 0  # messages from routers whose key went: dropped
+    snapshots_sent: int = 0  # of this router's bookings, each in one or more messages
+    snapshots_taken: int = 0  # peers' snapshots that came whole and in order: each swept
+    snapshots_incomplete: int = 0  # peers' snapshots with a part missing or out of order: nothing dropped
+    healed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HEALED, 0))  # bookings, by HEALED
+
+
+@dataclass(slots=True)
+class _Sweep:
+    """A peer's snapshot being read: `unseen` holds (request_id, worker) of the peer's bookings
+    held here when its part 0 came that neither a part nor an add has named since; None once a
+    part is missing or out of order (nothing is dropped)."""
+
+    seq: int
+    parts: int
+    unseen: set[tuple[str, str]] | None
+    next: int = 0  # the part expected next
 
 
 class ReplicaSync:
@@ -135,6 +181,7 @@ class ReplicaSync:
         *,
         flush_ms: float = 2.0,
         peer_ttl_s: float = 600.0,
+        snapshot_s: float = 30.0,
         discovery: Discovery | None = None,
         peers: PeerSettings | None = None,
         fleet_log: FleetLog | None = None,
@@ -149,6 +196,14 @@ class ReplicaSync:
         self.status = PartStatus.NEW
         self._flush_s = flush_ms / 1000.0
         self._peer_ttl_s = peer_ttl_s
+        if not 0 < snapshot_s < math.inf:  # NaN fails too
+            raise ValueError(f"snapshot_s must be a number of seconds > 0, not {snapshot_s}")
+        self._snapshot_s = snapshot_s
+        self._snapshot_due = False  # the next flush ends with a snapshot of our bookings
+        self._snapshot_seq = 0
+        self._sweeps: dict[str, _Sweep] = {}
+        self._caught_up: set[str] = set()  # peers whose snapshot was read to its last part: a later one's add heals
+        self._healed: dict[str, dict[str, int]] = {}  # per peer, since the last heal pass
         self._discovery = discovery
         self.peer_settings = peers
         self._pending: list[SyncEntry] = []
@@ -187,6 +242,14 @@ class ReplicaSync:
         )
         self._tasks.append(
             background(
+                self._snapshots(),
+                "sync-snapshot",
+                "peers get no snapshot of this replica's bookings (a lost message of its heals at peer_ttl_s) until it "
+                "restarts",
+            )
+        )
+        self._tasks.append(
+            background(
                 self._expirer(), "sync-expire", "peers' stale bookings are not dropped until the router restarts"
             )
         )
@@ -216,6 +279,7 @@ class ReplicaSync:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._records.flush()  # a change held for its window's end, which no timer will say now
+        self._say_healed()
 
     @property
     def tasks(self) -> list[asyncio.Task[None]]:
@@ -258,6 +322,9 @@ class ReplicaSync:
             self._departed.append(router)
         self._peers.discard(router)
         self._malformed_logged = {said for said in self._malformed_logged if said[0] != router}
+        self._sweeps.pop(router, None)
+        self._caught_up.discard(router)
+        self._healed.pop(router, None)
         dropped = self.view.forget_router(router)
         self.stats.routers_forgotten += 1
         if dropped:
@@ -281,20 +348,59 @@ class ReplicaSync:
 
     async def _send(self) -> None:
         entries, self._pending = self._pending, []
+        snapshot, self._snapshot_due = self._snapshot_due, False
         if not self._sent and self._registered is not None and not self._registered - {self.router_id}:
-            return  # no peer to tell: a router that registers later learns from its own requests on
-        for i in range(0, len(entries), _MAX_ENTRIES_PER_MESSAGE):
-            part = entries[i : i + _MAX_ENTRIES_PER_MESSAGE]
+            return  # no peer to tell: a router that registers later learns our bookings from our first snapshot
+        step = _MAX_ENTRIES_PER_MESSAGE
+        messages = [
+            RouterSync(router=self.router_id, entries=entries[i : i + step]) for i in range(0, len(entries), step)
+        ]
+        if snapshot:
+            messages += self._snapshot()  # taken now, with no await since the swap: as these entries leave the view
+        for i, msg in enumerate(messages):
             try:
-                await self._nc.publish(self._subject, encode_msg(RouterSync(router=self.router_id, entries=part)))
+                await self._nc.publish(self._subject, encode_msg(msg))
             except nats.errors.Error as exc:
-                # Peers then miss these entries; their TTL and our key's lease bound the damage.
+                # Peers then miss these entries; our next snapshot heals them (their TTL, an older peer's).
                 self.stats.send_failures += 1
-                log.warning("router sync: %d entries not sent (%s)", len(entries) - i, exc)
+                unsent = sum(len(m.entries) for m in messages[i:])
+                log.warning(
+                    "router sync: %d entries%s not sent (%s)", unsent, " and a snapshot" if snapshot else "", exc
+                )
                 return
             self._sent = True
             self.stats.messages_sent += 1
-            self.stats.entries_sent += len(part)
+            self.stats.entries_sent += len(msg.entries)
+        if snapshot:
+            self.stats.snapshots_sent += 1
+
+    def _snapshot(self) -> list[RouterSync]:
+        """Our live bookings as the next snapshot's messages (one at least: an empty snapshot drops
+        every booking of ours a peer still holds)."""
+        self._snapshot_seq += 1
+        held = [
+            SyncBooking(
+                request_id=h.request_id, worker=h.worker, tokens=h.tokens, blocks=h.blocks, prefill_done=h.prefill_done
+            )
+            for h in self.view.held()
+        ]
+        step = _MAX_ENTRIES_PER_MESSAGE
+        chunks = [held[i : i + step] for i in range(0, len(held), step)] or [[]]
+        return [
+            RouterSync(
+                router=self.router_id,
+                entries=[],
+                snapshot=SyncSnapshot(seq=self._snapshot_seq, part=part, parts=len(chunks), bookings=chunk),
+            )
+            for part, chunk in enumerate(chunks)
+        ]
+
+    async def _snapshots(self) -> None:
+        while True:
+            await asyncio.sleep(self._snapshot_s)
+            self._snapshot_due = True
+            self._wake.set()
+            self._say_healed()
 
     # --- peers' bookings -----------------------------------------------------------------------
 
@@ -323,10 +429,14 @@ class ReplicaSync:
         if unknown:
             self._newer(peer, unknown)
         view = self.view
+        sweep = self._sweeps.get(peer)
+        unseen = sweep.unseen if sweep is not None else None
         for e in sync.entries:
             self.stats.entries_received += 1
             if e.kind == "add":
-                if (why := self._implausible(e)) is not None:
+                if unseen is not None:
+                    unseen.discard((e.request_id, e.worker))  # booked since the snapshot began: not its to drop
+                if (why := self._implausible(e.worker, e.tokens, e.blocks)) is not None:
                     self._malformed(peer, f"booked {why}")
                     continue
                 try:
@@ -337,6 +447,96 @@ class ReplicaSync:
                 view.prefill_done(e.request_id, router=peer, worker=e.worker or None)
             else:
                 view.free(e.request_id, router=peer)
+        if sync.snapshot is not None:
+            self._take_snapshot(peer, sync.snapshot)
+
+    def _take_snapshot(self, peer: str, snapshot: SyncSnapshot) -> None:
+        """Book what a part of `peer`'s snapshot names as it states it; once a whole snapshot came
+        in order, drop the peer's bookings held at its part 0 that it left out."""
+        if not 0 <= snapshot.part < snapshot.parts:
+            self._malformed(peer, f"snapshot part {snapshot.part} of {snapshot.parts}")
+            return
+        sweep = self._sweep(peer, snapshot)
+        first = peer not in self._caught_up  # what its first snapshot adds, this router came too late to hear
+        view = self.view
+        for b in snapshot.bookings:
+            if sweep.unseen is not None:
+                sweep.unseen.discard((b.request_id, b.worker))
+            if (why := self._implausible(b.worker, b.tokens, b.blocks)) is not None:
+                self._malformed(peer, f"snapshot booked {why}")
+                continue
+            held = view.confirm(b.request_id, b.worker, router=peer)
+            if held is None:
+                if view.liveness(b.worker) is None:
+                    continue  # no report of it here: it left here first, or its first report is on its way
+                what = "" if first else "added"
+            elif (held.tokens, held.blocks) != (b.tokens, b.blocks) or held.prefill_done > b.prefill_done:
+                what = "state"
+            elif b.prefill_done and not held.prefill_done:
+                view.prefill_done(b.request_id, router=peer, worker=b.worker)
+                self._heal(peer, "state")
+                continue
+            else:
+                continue
+            try:
+                view.book(b.request_id, b.worker, b.tokens, b.blocks, router=peer)
+            except ValueError as exc:
+                self._malformed(peer, exc)
+                continue
+            if b.prefill_done:
+                view.prefill_done(b.request_id, router=peer, worker=b.worker)
+            if what:
+                self._heal(peer, what)
+        if snapshot.part < snapshot.parts - 1:
+            return
+        del self._sweeps[peer]
+        self._caught_up.add(peer)
+        if sweep.unseen is not None:
+            self.stats.snapshots_taken += 1
+            if dropped := sum(view.drop(request_id, worker, router=peer) for request_id, worker in sweep.unseen):
+                self._heal(peer, "dropped", dropped)
+
+    def _sweep(self, peer: str, snapshot: SyncSnapshot) -> _Sweep:
+        """The sweep a part of `peer`'s snapshot belongs to, opened at its part 0; one whose parts
+        do not all come in order is counted incomplete once, and drops nothing."""
+        sweep = self._sweeps.get(peer)
+        if snapshot.part == 0 or sweep is None or sweep.seq != snapshot.seq:
+            if sweep is not None and sweep.unseen is not None:
+                self.stats.snapshots_incomplete += 1  # its last part never came
+            whole = snapshot.part == 0
+            if not whole:
+                self.stats.snapshots_incomplete += 1  # its part 0 never came
+            sweep = _Sweep(snapshot.seq, snapshot.parts, self.view.keys(peer) if whole else None)
+            self._sweeps[peer] = sweep
+        elif sweep.unseen is not None and (snapshot.parts, snapshot.part) != (sweep.parts, sweep.next):
+            self.stats.snapshots_incomplete += 1
+            sweep.unseen = None
+        sweep.next = snapshot.part + 1
+        return sweep
+
+    def _heal(self, peer: str, what: str, n: int = 1) -> None:
+        self.stats.healed[what] += n
+        healed = self._healed.setdefault(peer, dict.fromkeys(HEALED, 0))
+        healed[what] += n
+
+    def _say_healed(self) -> None:
+        """Say what peers' snapshots healed since the last pass: once per peer, at most
+        `_LOGGED_EXPIRED` peers named, the rest in one line. Each heal is a message lost."""
+        healed, self._healed = self._healed, {}
+        ranked = sorted(healed.items(), key=lambda item: (-sum(item[1].values()), item[0]))
+        for peer, counts in ranked[:_LOGGED_EXPIRED]:
+            log.warning(
+                "router sync: snapshots of peer router %s healed %s: messages of its did not reach this router (e.g. "
+                "published while NATS was down)",
+                peer,
+                ", ".join(f"{counts[what]} {_HEALED_WORDS[what]}" for what in HEALED if counts[what]),
+            )
+        if rest := ranked[_LOGGED_EXPIRED:]:
+            log.warning(
+                "router sync: snapshots of %d more peer routers healed %d more booking(s) (the same cause)",
+                len(rest),
+                sum(sum(counts.values()) for _, counts in rest),
+            )
 
     def _counts(self, peer: str) -> bool:
         """Whether `peer`'s messages count: it has a key here (any sender, without discovery)."""
@@ -357,10 +557,10 @@ class ReplicaSync:
             ", and no further sender is named" if last else "",
         )
 
-    def _implausible(self, e: SyncEntry) -> str | None:
-        blocks = min(self.view.capacity(e.worker) or MAX_BOOKING, MAX_BOOKING)
-        if e.tokens > MAX_BOOKING or e.blocks > blocks:
-            return f"{e.tokens} tokens and {e.blocks} blocks on {e.worker} (at most {MAX_BOOKING} and {blocks})"
+    def _implausible(self, worker: str, tokens: int, blocks: int) -> str | None:
+        most = min(self.view.capacity(worker) or MAX_BOOKING, MAX_BOOKING)
+        if tokens > MAX_BOOKING or blocks > most:
+            return f"{tokens} tokens and {blocks} blocks on {worker} (at most {MAX_BOOKING} and {most})"
         return None
 
     def _undecodable(self, data: bytes, exc: ProtocolError) -> None:
@@ -435,9 +635,10 @@ class ReplicaSync:
         )
         for peer, count in counted[:_LOGGED_EXPIRED]:
             log.warning(
-                "router sync: %d booking(s) of peer router %s got no release within %g s: its free was lost (e.g. "
-                "published while NATS was down), or its request ran longer than that (--request-timeout above %g s); "
-                "until now they counted in their worker's load",
+                "router sync: %d booking(s) of peer router %s got no release within %g s, and no snapshot of that "
+                "router named them: it sends none (a kvswitch before 2026-12-07), and its free was lost (e.g. "
+                "published while NATS was down) or its request ran longer than that (--request-timeout above %g s); "
+                "or its snapshots stopped reaching this router. Until now they counted in their worker's load",
                 count,
                 peer,
                 self._peer_ttl_s,

@@ -79,7 +79,7 @@ from router.metrics import RouterMetrics, StateFigures
 from router.peer_settings import PeerSettings, rendering_digest, settings_digest
 from router.pending_prefixes import PendingPrefixes
 from router.planner import Planner
-from router.replica_sync import ReplicaSync, SyncStats
+from router.replica_sync import SYNC_SNAPSHOT_S, ReplicaSync, SyncStats
 from router.request_path import RECENT_S, RequestPath, refused_records
 from router.sender_budget import KvBudget, SenderBudget
 from router.sender_subscriptions import SenderSubscriptions
@@ -198,6 +198,7 @@ class RouterConfig:
     default_chat_template_kwargs: Any = None  # vLLM's flag of that name (a dict), as router.cli checked it
     index_limit_per_worker: int = MIN_ENTRY_LIMIT  # KV index entries any worker may have (kv_ingest's floor)
     kv_budget: KvBudget = field(default_factory=KvBudget)  # each KV event sender's (router.sender_budget)
+    sync_snapshot_s: float = SYNC_SNAPSHOT_S  # how often peers get a snapshot of our bookings (router.replica_sync)
 
 
 class RouterService:
@@ -453,7 +454,14 @@ class RouterService:
         self._connecting = ""
         # Replica sync learns its router id at registration, below; until then nothing is routed.
         self._sync = ReplicaSync(
-            nc, self.ns, "", self.view, discovery=self._discovery, peers=self.peer_settings, fleet_log=self.fleet_log
+            nc,
+            self.ns,
+            "",
+            self.view,
+            snapshot_s=self.config.sync_snapshot_s,
+            discovery=self._discovery,
+            peers=self.peer_settings,
+            fleet_log=self.fleet_log,
         )
         ledger = Ledger(self._sync, self.pending)
         self._planner = planner = Planner(

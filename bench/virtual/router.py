@@ -8,7 +8,8 @@ admission and dispatch rules, with the hops between the parts modelled as delays
 - Load: each LoadReport goes to the load view and eligibility (and the calibration when one is
   kept), then waiting requests are offered capacity, as router.service does.
 - Replica sync: bookings go to this view at once and to every peer's `sync_s` later, under this
-  replica's name (router.replica_sync's semantics, without its batching).
+  replica's name (router.replica_sync's semantics, without its batching, and without its snapshots:
+  nothing is lost on the virtual clock, so they would heal nothing).
 - Admission (router.admission's rules): a request is planned at once when nobody waits and a
   worker has room; else it waits in FIFO order, offered capacity on every report and completion
   (the live quiet time after a failed offer scales with that plan's CPU, which takes no

@@ -314,9 +314,10 @@ def peer_done(peer: str, *request_ids: str) -> bytes:
 
 
 NO_RELEASE = (
-    "router sync: {n} booking(s) of peer router {peer} got no release within 600 s: its free was lost (e.g. "
-    "published while NATS was down), or its request ran longer than that (--request-timeout above 600 s); "
-    "until now they counted in their worker's load"
+    "router sync: {n} booking(s) of peer router {peer} got no release within 600 s, and no snapshot of that router "
+    "named them: it sends none (a kvswitch before 2026-12-07), and its free was lost (e.g. published while NATS was "
+    "down) or its request ran longer than that (--request-timeout above 600 s); or its snapshots stopped reaching "
+    "this router. Until now they counted in their worker's load"
 )
 
 

@@ -22,6 +22,7 @@ from tests.router.polling import until
 
 SYNC = ("malformed", "unregistered", "departed", "send_failures", "peer_bookings_expired", "peers_forgotten")
 TRAFFIC = ("messages_sent", "entries_sent", "entries_received")  # until 2026-12-06 read by tests alone
+SNAPSHOTS = ("snapshots_sent", "snapshots_taken", "snapshots_incomplete")  # from 2026-12-07
 
 
 def _sync_samples(text: str) -> dict[str, float]:
@@ -44,9 +45,22 @@ def test_every_sync_count_is_rendered() -> None:
         messages_sent=7,
         entries_sent=8,
         entries_received=9,
+        snapshots_sent=10,
+        snapshots_taken=11,
+        snapshots_incomplete=12,
+        healed={"added": 13, "dropped": 14, "state": 15},
     )
     text = RouterMetrics(lambda: StateFigures(sync=stats)).render().decode()
-    assert _sync_samples(text) == dict(zip(SYNC + TRAFFIC, (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0), strict=True))
+    samples = _sync_samples(text)
+    healed = samples.pop("snapshot_healed")  # the last of its labels: read whole below
+    assert samples == dict(zip(SYNC + TRAFFIC + SNAPSHOTS, [float(n) for n in range(1, 13)], strict=True))
+    assert healed == 15.0
+    assert {
+        s.labels["what"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "kvswitch_router_sync_snapshot_healed_total"
+    } == {"added": 13.0, "dropped": 14.0, "state": 15.0}
 
 
 async def test_dropped_sync_messages_are_on_metrics(
@@ -81,4 +95,8 @@ async def test_dropped_sync_messages_are_on_metrics(
         "messages_sent": 0.0,  # no request booked: nothing to tell
         "entries_sent": 0.0,
         "entries_received": 0.0,  # every message dropped before its entries are read
+        "snapshots_sent": 0.0,  # its first is 30 s after its start
+        "snapshots_taken": 0.0,
+        "snapshots_incomplete": 0.0,
+        "snapshot_healed": 0.0,  # the last of its labels
     }
