@@ -8,8 +8,9 @@ else `tokenizer_config.json`'s `chat_template`, else `chat_template.json`); of n
 `tool_use` renders a request with tools and `default` the rest, as transformers picks them. It is
 rendered with jinja2 in a sandbox the way
 transformers renders it (its `tojson`, `raise_exception`, `strftime_now`, the `generation` tag,
-`continue_final_message`). Without `--tokenizer` the router has the built-in tokenizer, which only
-engine_sim speaks.
+`continue_final_message`). The special tokens the tokenizer's config names and tokenizer.json lacks
+are added at load, as transformers adds them (router.special_tokens). Without `--tokenizer` the
+router has the built-in tokenizer, which only engine_sim speaks.
 
 Whether the router's tokenizer is a worker's is decided by fingerprints (protocol.fingerprint):
 the planner sends text prompts only to workers whose fingerprint equals the router's, and
@@ -58,6 +59,7 @@ from router.content_format import CONTENT_FORMATS, ContentFormat, detect_content
 from router.conversation import ConversationError, conversation, tool_definitions
 from router.eligibility import NAMED_AT_MOST, few_ids
 from router.fleet_lines import FleetLines, FleetLog, LastSaid
+from router.special_tokens import SpecialTokensError, read_special_tokens
 
 __all__ = [
     "OFFLOAD_CHARS",
@@ -172,40 +174,6 @@ class BuiltinPromptTokenizer:
         return self._tok.encode(text)
 
 
-def _special(value: object) -> str:
-    if isinstance(value, Mapping):
-        return str(value.get("content", ""))
-    return value if isinstance(value, str) else ""
-
-
-# transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES): a template sees each by its name
-_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-def _special_tokens(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
-    """The special tokens a template sees, read as transformers (5.x) reads them: the named ones
-    and a model's own `*_token` ones (`image_token`) and `extra_special_tokens` mapping from
-    tokenizer_config.json, where the config has no `added_tokens_decoder` (its legacy path) with
-    every key of special_tokens_map.json merged over it; AddedToken dicts by their content; null
-    ones left out."""
-    kwargs = dict(config)
-    legacy = "added_tokens_decoder" not in config
-    if legacy:
-        kwargs |= _read_json(folder / "special_tokens_map.json")
-    extra_value = kwargs.get("extra_special_tokens")
-    extra: dict[str, object] = dict(extra_value) if isinstance(extra_value, Mapping) else {}
-    own: dict[str, object] = {
-        k: v
-        for k, v in kwargs.items()
-        if k.endswith("_token") and k not in _SPECIAL_NAMES and isinstance(v, (str, Mapping))
-    }
-    found: dict[str, object] = {k: kwargs.get(k) for k in _SPECIAL_NAMES}
-    # transformers sets a dict `extra_special_tokens` before the `*_token` keys, but after them on
-    # the legacy path (there it is its `model_specific_special_tokens`)
-    found |= (own | extra) if legacy else (extra | own)
-    return {k: _special(v) for k, v in found.items() if v is not None}
-
-
 def _raise(message: str) -> None:
     raise TokenizerError("chat_template", message)
 
@@ -268,7 +236,14 @@ class HfPromptTokenizer:
         config = _read_json(folder / "tokenizer_config.json")
         # transformers' flag: special tokens' spellings in a text are encoded as plain text
         self._tok.encode_special_tokens = config.get("split_special_tokens") is True
-        self._specials = _special_tokens(folder, config)
+        try:
+            specials = read_special_tokens(folder, config, self._tok.get_added_tokens_decoder())
+        except SpecialTokensError as exc:
+            raise TokenizerError(exc.what, exc.why) from exc
+        # transformers adds the special tokens the config names and tokenizer.json lacks (vLLM's ids
+        # have them); their spellings are what the template sees
+        self._tok.add_tokens(specials.to_add)
+        self._specials = specials.spellings
         self._specials.setdefault("bos_token", "")
         self._specials.setdefault("eos_token", "")
         self._env = _environment()

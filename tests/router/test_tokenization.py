@@ -42,7 +42,8 @@ def hf_dir(tmp_path: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(["<s>", "</s>"])
     tok.save(str(tmp_path / "tokenizer.json"))
-    config = {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": TEMPLATE}
+    # bos_token in the saved AddedToken form older transformers wrote (one without `__type` it refuses)
+    config = {"bos_token": {"__type": "AddedToken", "content": "<s>"}, "eos_token": "</s>", "chat_template": TEMPLATE}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     return tmp_path
 
