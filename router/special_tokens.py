@@ -1,7 +1,8 @@
 """A Hugging Face tokenizer's special tokens, read from its files as transformers 5 reads them
 (vLLM loads a tokenizer through its AutoTokenizer; this is TokenizersBackend's reading, which its
-model-specific subclasses share; matched against transformers 5.24.0): the spellings a chat
-template sees, and the tokens transformers adds to tokenizer.json's at load.
+model-specific subclasses share; matched against transformers 5.24.0 and 5.19.0, vLLM 0.32
+requiring >=5.16.1,<5.20.0): the spellings a chat template sees, and the tokens transformers adds
+to tokenizer.json's at load.
 
 What transformers adds, in this order, with the flags each has: every `added_tokens_decoder` entry
 of tokenizer_config.json, by id; then each named special token (bos, eos, unk, sep, pad, cls,
