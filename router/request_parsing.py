@@ -378,10 +378,23 @@ async def prompt_ids(
     except UntrustedTemplate as exc:
         raise ApiError(400, exc.why, "chat_template") from exc
     except TokenizerError as exc:
-        raise ApiError(400, str(exc), "messages" if parsed.chat else "prompt") from exc
+        raise ApiError(400, str(exc), _param_of(exc, parsed)) from exc
     if not prompts[0]:
         raise ApiError(400, _EMPTY_PROMPT, "prompt")
     return prompts[0], prompts
+
+
+def _param_of(exc: TokenizerError, parsed: ParsedRequest) -> str:
+    """The field the client sent what a rendering error is about: transformers' checks of `tools`
+    from chat_template_kwargs and of `documents` (top-level, else from chat_template_kwargs, as
+    _chat_options merges them), else the messages (or the prompt) the template renders."""
+    if not parsed.chat:
+        return "prompt"
+    if exc.what == "tools":  # only chat_template_kwargs' tools reach the template unchecked
+        return "chat_template_kwargs"
+    if exc.what == "documents":
+        return "documents" if parsed.params.get("documents") is not None else "chat_template_kwargs"
+    return "messages"
 
 
 async def keep_specials_truncated(tok: Tokenization, text: str, keep: int, *, offload: bool = False) -> list[int]:

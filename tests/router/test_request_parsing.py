@@ -234,3 +234,28 @@ async def test_a_chat_truncation_with_no_side_keeps_the_special_tokens_the_token
             assert (await prompt_ids(tok, plain))[0] == whole[-keep:]
         finally:
             tok.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        # transformers' checks of what reaches the template unvalidated name the field the client
+        # sent it in (until 2026-12-07 every rendering error named `messages`)
+        ({"chat_template_kwargs": {"tools": [1]}}, "chat_template_kwargs"),
+        ({"documents": ["a"]}, "documents"),
+        ({"chat_template_kwargs": {"documents": ["a"]}}, "chat_template_kwargs"),
+        ({"documents": ["a"], "chat_template_kwargs": {"documents": [{"title": "t", "text": "x"}]}}, "documents"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ],
+)
+async def test_a_rendering_error_names_the_field_the_client_sent(
+    tmp_path: Path, extra: dict[str, Any], param: str
+) -> None:
+    build_tokenizer(tmp_path)
+    tok = Tokenization(load_tokenizer(tmp_path))
+    try:
+        with pytest.raises(ApiError) as err:
+            await prompt_ids(tok, parse_request({"messages": [{"role": "user", "content": "x"}], **extra}, chat=True))
+    finally:
+        tok.close()
+    assert (err.value.code, err.value.param) == (400, param)
