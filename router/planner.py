@@ -43,7 +43,7 @@ from router.policies import Outcome, Path
 from router.request_context import Candidate, RequestContext, RequestShape
 from router.selection import Selector, over_queue_threshold
 from router.served_names import clash_message, served_as
-from router.tokenization import shim_predates_probes
+from router.tokenization import shim_predates_probes, unprobed
 from router.transfer_health import TransferHealth
 
 # Workers a utility call (/tokenize) skips: their engine cannot answer now, or answered garbage lately.
@@ -292,8 +292,9 @@ class Planner:
     def _tokenizer_why(self, info: WorkerInfo) -> str:
         if self._stale_shim(info):
             return shim_predates_probes([info.worker])
-        mine = self.eligibility.tokenizer
-        theirs = info.tokenizer or "unknown (its shim could not read it from the engine)"
+        if not info.tokenizer:
+            return unprobed(info)
+        mine, theirs = self.eligibility.tokenizer, info.tokenizer
         if mine is None:
             return f"text prompts need the served model's tokenizer (the worker's is {theirs}): give --tokenizer"
         return (
@@ -314,8 +315,9 @@ class Planner:
         if not any(i.tokenizer for i in group):  # no router's tokenizer matches one never read
             return (
                 f"no decode or agg worker of model {model} takes text prompts: their shims could not read "
-                "the engine's tokenizer (SGLang and TensorRT-LLM do not say it; a vLLM probe that failed), so no "
-                f"router tokenizes for them: send token ids (a completion's `prompt` as a list of ids)"
+                "the engine's tokenizer (SGLang and TensorRT-LLM do not say it; a vLLM probe that failed, which "
+                "each shim tries again: its log says why), so no router tokenizes for them: send token ids (a "
+                "completion's `prompt` as a list of ids)"
             )
         return (
             f"no decode or agg worker of model {model} takes text prompts from this router: it tokenizes "

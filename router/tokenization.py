@@ -79,6 +79,7 @@ __all__ = [
     "shim_predates_probes",
     "tokenizer_fingerprint",
     "tokenizer_fingerprints",
+    "unprobed",
 ]
 
 log = logging.getLogger(__name__)
@@ -503,6 +504,18 @@ def shim_predates_probes(workers: Sequence[str]) -> str:
     )
 
 
+def unprobed(info: WorkerInfo) -> str:
+    """Why a worker that registered no tokenizer fingerprint ("") gets no text prompts: its shim,
+    not this router's tokenizer, is where to look (a vLLM shim probes again an engine that failed
+    the probe for now, worker_shim.tokenizer_probe)."""
+    return (
+        f"its shim registered no tokenizer fingerprint: it could not probe its {info.engine} engine's tokenizer "
+        "(the shim's log says why; a shim probes again an engine that failed the probe for now, and the worker "
+        "takes text prompts once one succeeds; SGLang and TensorRT-LLM engines cannot be probed), so no router "
+        "tokenizes for it (token-id prompts still route)"
+    )
+
+
 def probe_ids(tok: PromptTokenizer, probe: Probe) -> list[int] | None:
     """`probe`'s ids as the engine's `/tokenize` gives them for `probe.body()`; None where the
     engine refuses it (a chat the template cannot render, or no template)."""
@@ -642,7 +655,14 @@ class FingerprintWatch:
     def _why(self, info: WorkerInfo) -> str:
         if self.legacy is not None and info.tokenizer == self.legacy:
             return shim_predates_probes([info.worker])
-        theirs = info.tokenizer or "unknown (its shim could not read it from the engine)"
+        if not info.tokenizer:
+            if self.mine != BUILTIN:
+                return unprobed(info)
+            return (
+                f"{unprobed(info)}; and this router has only the built-in tokenizer (engine_sim's): unless "
+                f"{info.model} is served by engine_sim, start the router with --tokenizer naming its tokenizer"
+            )
+        theirs = info.tokenizer
         if self.mine == BUILTIN:
             return (
                 f"its engine's tokenizer is {theirs} and this router has only the built-in one (engine_sim's): "

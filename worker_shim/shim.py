@@ -2,7 +2,8 @@
 
 A session lasts while the engine is healthy: the shim waits until the engine answers health, checks
 its limits against the flags, starts the engine's event stream and waits until it is live, asks the
-engine for its tokenizer fingerprint, then registers (a `discovery.Registration`: worker id = the
+engine for its tokenizer fingerprint (asked again in the background while the engine fails that for
+now: worker_shim.tokenizer_probe), then registers (a `discovery.Registration`: worker id = the
 lease id, or `worker_name`; a fresh random epoch), publishes its state so far, subscribes its
 subjects and serves. A session ends when the engine fails `health_failures` checks in a row, or
 leaves /health unanswered for `busy_limit_s`, or makes no progress for `stall_limit_s`, or when its
@@ -62,7 +63,6 @@ from protocol import (
 )
 from protocol.config import EtcdSettings, NatsSettings
 from protocol.errors import listen_error
-from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
 from protocol.version import BUILD
 from protocol.vllm_events import RESOLVED_BY_ENGINE
@@ -99,6 +99,7 @@ from worker_shim.nats_connect import connect_nats
 from worker_shim.normaliser import Normaliser, NormaliserStats
 from worker_shim.orphaned_legs import OrphanedLegs
 from worker_shim.request_service import RequestService, leg_cap
+from worker_shim.tokenizer_probe import TokenizerRetry, registered_as, transient
 from worker_shim.transfer_failures import TransferFailures
 
 __all__ = ["ShimStatus", "WorkerShim"]
@@ -309,6 +310,7 @@ class WorkerShim:
             self.adapter.engine_changed = self._engine_changed
         self.kv_bytes_per_token: int | None = None
         self.tokenizer = ""
+        self._tokenizer_retry: TokenizerRetry | None = None  # this session's, while the engine fails the probe
         self.adapters: list[str] = []
         self._adapter_paths: dict[str, str | None] = {}  # each adapter's path (its card's `root`)
         self.aliases: list[str] = []  # the other names the engine serves --model under
@@ -1029,17 +1031,28 @@ class WorkerShim:
         return value
 
     async def _tokenizer(self) -> str:
+        """The engine's tokenizer fingerprint, "" when unknown; a probe the engine failed for now
+        is tried again through the session (worker_shim.tokenizer_probe), and registered once it
+        succeeds."""
         why = f"the {self.config.engine} adapter cannot ask the engine to tokenize"
         try:
             fp = await self.adapter.tokenizer_fingerprint()
         except EngineError as exc:
+            if transient(exc):
+                self._tokenizer_retry = TokenizerRetry(self.adapter.tokenizer_fingerprint, exc, self._tokenizer_found)
+                return ""
             fp, why = None, f"the engine's tokenizer could not be probed ({exc})"
         if fp is None:
             self._say_once(
                 logging.WARNING, "%s: tokenizer unknown, so routers refuse text requests for this worker", why
             )
             return ""
-        return BUILTIN if fp == builtin_fingerprint() else fp
+        return registered_as(fp)
+
+    def _tokenizer_found(self, fp: str) -> None:
+        self.tokenizer = fp
+        if self.registration is not None:  # else the registration, still to come, reads it
+            self.registration.update()
 
     def _info(self, worker: str) -> WorkerInfo:
         c, lim = self.config, self.limits
@@ -1785,6 +1798,9 @@ class WorkerShim:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        retry, self._tokenizer_retry = self._tokenizer_retry, None
+        if retry is not None:
+            await retry.stop()
         self.events.close(keep_retest=not self._stopping.is_set())
         self.probe.close()
         self.worker_id = None

@@ -14,9 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from protocol.config import RouterSettings
 from protocol.messages import WorkerInfo
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 from router.api_errors import ApiError
+from router.block_index import BlockIndex
+from router.load_view import LoadView
+from router.planner import standalone_planner
 from router.request_parsing import parse_request, prompt_ids
 from router.tokenization import (
     BuiltinPromptTokenizer,
@@ -320,6 +324,24 @@ def test_a_fingerprint_mismatch_is_logged_once_per_worker(hf_dir: Path, caplog: 
     assert builtin.mine == "builtin"
     builtin.check(info("w3", "tok-0123456789abcdef"))
     assert "--tokenizer" in builtin.report()["text_refused"][0]["why"]
+
+
+def test_a_worker_without_a_fingerprint_is_told_to_look_at_its_shim_not_at_the_routers_tokenizer(
+    hf_dir: Path,
+) -> None:
+    # Its shim's probe of the engine failed (a busy vLLM's 503, an SGLang engine): the router's
+    # tokenizer may well be right, and its advice to change it was wrong (audit, 2026-12-07).
+    watch = FingerprintWatch(tokenizer_fingerprint(load_tokenizer(hf_dir)))
+    watch.check(WorkerInfo(worker="w1", model="m", role="agg", engine="vllm", block_size=16, tokenizer=""))
+    (why,) = [w["why"] for w in watch.report()["text_refused"]]
+    assert why.startswith("its shim registered no tokenizer fingerprint: it could not probe its vllm engine's")
+    assert "the shim's log says why" in why and "give the router the tokenizer" not in why
+    planner = standalone_planner(
+        RouterSettings(), lambda: [], index=BlockIndex(), view=LoadView(), tokenizer=watch.mine
+    )
+    unprobed = WorkerInfo(worker="w1", model="m", role="agg", engine="sglang", block_size=16)
+    assert planner._tokenizer_why(unprobed).startswith("its shim registered no tokenizer fingerprint")
+    assert "--tokenizer" not in planner._tokenizer_why(unprobed)
 
 
 def test_ready_names_the_first_workers_refused_text_and_counts_them_all() -> None:

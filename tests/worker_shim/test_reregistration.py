@@ -353,6 +353,7 @@ async def test_a_stop_with_nats_frozen_closes_every_worker_id_under_one_short_ba
         shim.requests = None
         shim.registration = None
         shim._events_task = None
+        shim._tokenizer_retry = None
         shim.events = SimpleNamespace(close=lambda keep_retest: None)  # type: ignore[assignment]
         shim.probe = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
         retiring = asyncio.create_task(asyncio.sleep(60))  # the old id's grace, not over

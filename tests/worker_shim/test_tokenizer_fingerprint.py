@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -16,8 +17,9 @@ from protocol.fingerprint import BUILTIN, PROBES, TextProbe, builtin_fingerprint
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 from tests.worker_shim.cluster import shim_for, sim_config, wait_for
 from tests.worker_shim.test_model_config import registered
-from worker_shim import EngineError, ShimConfig
+from worker_shim import EngineError, ShimConfig, tokenizer_probe
 from worker_shim.adapters.vllm import VllmAdapter
+from worker_shim.tokenizer_probe import transient
 
 _tok = BuiltinTokenizer()
 
@@ -170,3 +172,96 @@ async def test_engine_sims_tokenize_gives_the_builtin_fingerprint(serve: Any) ->
             assert await adapter.tokenizer_fingerprint() == builtin_fingerprint()
         finally:
             await adapter.close()
+
+
+async def test_a_busy_engines_answer_is_transient_and_one_without_tokenize_is_not(serve: Any) -> None:
+    async def busy(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "overloaded", "code": 503}}, status=503)
+
+    app = web.Application()
+    app.router.add_post("/tokenize", busy)
+    with pytest.raises(EngineError) as failed:
+        await (await serve(app)).tokenizer_fingerprint()
+    assert transient(failed.value)
+    with pytest.raises(EngineError) as refused:
+        await (await serve(web.Application())).tokenizer_fingerprint()
+    assert refused.value.code == 404 and not transient(refused.value)
+
+
+def _failing(shim: Any, failures: list[EngineError]) -> list[int]:
+    """The shim's adapter's probe failing with `failures` first, one per call; the calls, counted."""
+    real = shim.adapter.tokenizer_fingerprint
+    calls = [0]
+
+    async def probe() -> str | None:
+        calls[0] += 1
+        if failures:
+            raise failures.pop(0)
+        return cast(str | None, await real())
+
+    shim.adapter.tokenizer_fingerprint = probe
+    return calls
+
+
+async def test_a_probe_the_engine_failed_for_now_is_retried_and_registered_under_the_same_lease(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One timed-out /tokenize of a busy vLLM left the worker without a fingerprint, so refused text by
+    # every router, for its whole session (audit, 2026-12-07).
+    monkeypatch.setattr(tokenizer_probe, "RETRY_S", 0.2)
+    caplog.set_level(logging.INFO, logger="worker_shim.tokenizer_probe")
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url)
+        timeout = EngineError(503, "engine_unavailable", "http://engine/tokenize: TimeoutError()")
+        calls = _failing(shim, [timeout, EngineError(503, "engine_unavailable", "busy")])
+        async with shim:
+            await wait_for(shim.registered.is_set, what="registration")
+            first = await registered(etcd_url, ns)
+            assert first.tokenizer == ""
+            await wait_for(lambda: shim.tokenizer == BUILTIN, what="the probe again")
+            info = await registered(etcd_url, ns)
+            for _ in range(100):  # the re-put reaches etcd a moment after the shim has it
+                if info.tokenizer == BUILTIN:
+                    break
+                await asyncio.sleep(0.05)
+                info = await registered(etcd_url, ns)
+            assert info.tokenizer == BUILTIN
+            assert (info.worker, info.epoch, shim.sessions) == (first.worker, first.epoch, 1), "the same registration"
+            await asyncio.sleep(0.5)
+            assert calls[0] == 3, "no probe once one succeeded"
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "worker_shim.tokenizer_probe"]
+    assert [level for level, _ in lines] == [logging.WARNING, logging.INFO], "one episode: its start and its end"
+    assert "TimeoutError" in lines[0][1] and "probing again" in lines[0][1]
+    assert "on try 3" in lines[1][1] and BUILTIN in lines[1][1]
+
+
+async def test_an_engine_that_refuses_the_probe_is_not_probed_again(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tokenizer_probe, "RETRY_S", 0.05)
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url)
+        calls = _failing(shim, [EngineError(404, "not_found", "http://engine/tokenize answered 404")])
+        async with shim:
+            await wait_for(shim.registered.is_set, what="registration")
+            await asyncio.sleep(0.5)
+            assert (await registered(etcd_url, ns)).tokenizer == "" and calls[0] == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "tokenizer" in r.getMessage()]
+    assert len(warned) == 1 and "404" in warned[0] and "probing again" not in warned[0]
+
+
+async def test_a_retry_the_engine_then_refuses_ends_the_episode_with_a_warning(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tokenizer_probe, "RETRY_S", 0.05)
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url)
+        busy = EngineError(503, "engine_unavailable", "busy")
+        calls = _failing(shim, [busy, EngineError(404, "not_found", "http://engine/tokenize answered 404")])
+        async with shim:
+            await wait_for(shim.registered.is_set, what="registration")
+            await wait_for(lambda: calls[0] == 2, what="the second probe")
+            await asyncio.sleep(0.3)
+            assert calls[0] == 2 and (await registered(etcd_url, ns)).tokenizer == ""
+    warned = [r.getMessage() for r in caplog.records if r.name == "worker_shim.tokenizer_probe"]
+    assert len(warned) == 2 and "probing again" in warned[0] and "404, on try 2" in warned[1]
