@@ -206,6 +206,7 @@ class Eligibility:
         sync_state: Callable[[str], tuple[str, str] | None],
         liveness: Callable[[str], Liveness | None],
         tokenizer: str | None,
+        same_tokenizer: Callable[[str], bool] | None = None,
         stalled_within: StalledWithin | None = None,
         quarantined_for: Callable[[str], float | None] = lambda _worker: None,
         fleet_log: FleetLog | None = None,
@@ -214,6 +215,8 @@ class Eligibility:
         """`sync_state(worker)`: None when the index is synced with it, else (state, why).
         `liveness(worker)`: None before its first report. `tokenizer`: the router's fingerprint,
         None when it has no tokenizer (text prompts are then refused for every worker).
+        `same_tokenizer(fingerprint)`: whether a worker's fingerprint is the router's tokenizer's on
+        some day (router.fingerprint_days.FingerprintDays.accepts); by default, equal to `tokenizer`.
         `stalled_within`: how long this router's loop stood still (runtime.loop_watch; never, when
         None): a worker is silent for no longer than the router was awake to hear it.
         `quarantined_for(worker)`: the seconds its load reports are unheard for yet, sent past their
@@ -229,6 +232,7 @@ class Eligibility:
         self._liveness = liveness
         self._quarantined_for = quarantined_for
         self.tokenizer = tokenizer
+        self._same_tokenizer = same_tokenizer or (lambda fp: fp == tokenizer)
         self._added: dict[str, float] = {}
         self._unreachable: dict[str, tuple[float, str]] = {}  # worker -> (marked at, why)
         self._malformed: dict[str, tuple[float, str]] = {}  # worker -> (last malformed reply at, why)
@@ -339,7 +343,7 @@ class Eligibility:
 
     def takes_text(self, info: WorkerInfo) -> bool:
         """This router's tokenizer is the worker's: text prompts may go to it."""
-        return self.tokenizer is not None and info.tokenizer == self.tokenizer
+        return self.tokenizer is not None and self._same_tokenizer(info.tokenizer)
 
     def statuses(self, infos: Iterable[WorkerInfo], sizes: Mapping[str, int] | None = None) -> list[WorkerStatus]:
         """Each worker's status. `sizes`: its model's block size as already decided (a request's, as

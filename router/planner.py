@@ -35,6 +35,7 @@ from protocol.hashing import chain_salt, endpoint_key
 from router.calibration import Calibration
 from router.disagg import Disaggregator, RoutePlan
 from router.eligibility import Eligibility, Exclusion, WorkerStatus, name_few
+from router.fingerprint_days import FingerprintDays
 from router.fleet_lines import FleetLog
 from router.ledger import BookingSink, Ledger, LocalSink
 from router.load_view import LoadView
@@ -117,16 +118,17 @@ class Planner:
         clock: Callable[[], float] = time.time,
         calibration: Calibration | None = None,
         timer: Callable[[], float] = time.perf_counter,
-        legacy_tokenizer: str | None = None,
+        fingerprints: FingerprintDays | None = None,
         fleet_log: FleetLog | None = None,
         unrouted: Callable[[str], Sequence[WorkerStatus]] = lambda model: (),
     ) -> None:
         """`calibration`: when given, candidates carry each worker's fitted timing (the owner feeds
         it every load report) and admission reads prefill rates from it. `timer` times the policy
         at DEBUG (a virtual-clock replay passes its own clock: it reads no wall time).
-        `legacy_tokenizer`: the router's tokenizer's fingerprint under the probes of before
-        protocol.fingerprint.PROBES_SINCE; a worker refused text for advertising it is told to
-        upgrade its shim, not to change the router's tokenizer. `fleet_log`: its router's, for the
+        `fingerprints`: the router's tokenizer's by day (router.fingerprint_days), for what a worker
+        refused text is told: one advertising its fingerprint under the probes of before
+        protocol.fingerprint.PROBES_SINCE, to upgrade its shim, not to change the router's tokenizer;
+        one of a template that writes the date, that the date may be why. `fleet_log`: its router's, for the
         lines of the parts it makes (router.fleet_lines). `unrouted(name)`: the registered workers a
         request naming it would run on that `workers` leaves out (router.worker_registry: a
         max_model_len not their model's), which a 503 for want of a worker names with why."""
@@ -142,7 +144,7 @@ class Planner:
         self.ledger = ledger
         self.clock = clock
         self.calibration = calibration
-        self.legacy_tokenizer = legacy_tokenizer
+        self.fingerprints = fingerprints
         self._hashers: dict[int, BlockHasher] = {}
         self._attempts: dict[str, int] = {}
         self.reach = PrefixReach()
@@ -287,7 +289,7 @@ class Planner:
 
     def _stale_shim(self, info: WorkerInfo) -> bool:
         """Whether `info`'s shim advertises this router's tokenizer under the old probes."""
-        return self.legacy_tokenizer is not None and info.tokenizer == self.legacy_tokenizer
+        return self.fingerprints is not None and self.fingerprints.is_legacy(info.tokenizer)
 
     def _tokenizer_why(self, info: WorkerInfo) -> str:
         if self._stale_shim(info):
@@ -298,9 +300,14 @@ class Planner:
         if mine is None:
             return f"text prompts need the served model's tokenizer (the worker's is {theirs}): give --tokenizer"
         return (
-            f"its tokenizer is {theirs}, the router's is {mine}: its text prompts need a router with its "
-            f"tokenizer (one router per tokenizer: --model {info.model} --tokenizer)"
+            f"its tokenizer is {theirs}, the router's is {mine}{self._dated()}: its text prompts need a router "
+            f"with its tokenizer (one router per tokenizer: --model {info.model} --tokenizer)"
         )
+
+    def _dated(self) -> str:
+        """Why a worker of the router's own tokenizer may differ: its template writes the date."""
+        note = self.fingerprints.note() if self.fingerprints is not None else ""
+        return f" ({note}; else)" if note else ""
 
     def text_refusal(self, model: str, infos: Iterable[WorkerInfo]) -> str:
         """Why no decode or agg worker of `model` (`infos`) takes a text prompt from this router, and
@@ -322,9 +329,9 @@ class Planner:
         return (
             f"no decode or agg worker of model {model} takes text prompts from this router: it tokenizes "
             f"with {self.eligibility.tokenizer or 'no tokenizer'}, model {model}'s workers with "
-            f"{', '.join(theirs)}. A router tokenizes with one tokenizer: send {model}'s text requests to a "
-            f"router of its own (`kvswitch router --model {model} --tokenizer` naming {model}'s tokenizer), "
-            f"or send token ids (a completion's `prompt` as a list of ids) to this one.{also}"
+            f"{', '.join(theirs)}{self._dated()}. A router tokenizes with one tokenizer: send {model}'s text "
+            f"requests to a router of its own (`kvswitch router --model {model} --tokenizer` naming {model}'s "
+            f"tokenizer), or send token ids (a completion's `prompt` as a list of ids) to this one.{also}"
         )
 
     def text_refusals(self, model: str | None = None) -> list[str]:
@@ -609,7 +616,7 @@ def standalone_planner(
         clock=clock,
         calibration=calibration,
         timer=timer,
-        legacy_tokenizer=legacy_tokenizer,
+        fingerprints=FingerprintDays.fixed(tokenizer, legacy_tokenizer) if tokenizer is not None else None,
         unrouted=unrouted,
     )
 

@@ -67,6 +67,7 @@ from router.eligibility import (
     name_few,
     taking_requests,
 )
+from router.fingerprint_days import FingerprintDays
 from router.fleet_lines import NAMED_AT_MOST, FirstSaid, FleetLines, FleetLog
 from router.fleet_news import CHECK_S, FleetNews
 from router.gap_repair import FailureKind
@@ -89,9 +90,9 @@ from router.tokenization import (
     FingerprintWatch,
     PromptTokenizer,
     Tokenization,
+    fingerprints_on,
     load_tokenizer,
     rendering_fingerprint,
-    tokenizer_fingerprints,
 )
 from router.tracing import RequestTracer
 from router.unheard import Unheard
@@ -210,7 +211,9 @@ class RouterService:
             config.tokenizer, config.chat_template_content_format, config.default_chat_template_kwargs
         )
         self.fleet_log = FleetLog()  # its parts' per-worker lines, said as it stops (router.fleet_lines)
-        self.fingerprints = FingerprintWatch(*tokenizer_fingerprints(self.tokenizer), fleet_log=self.fleet_log)
+        # the first days' fingerprints now, as the router is built (router.fingerprint_days)
+        self.fingerprint_days = FingerprintDays(functools.partial(fingerprints_on, self.tokenizer))
+        self.fingerprints = FingerprintWatch(self.fingerprint_days, fleet_log=self.fleet_log)
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
         self.debug_keys = ApiKeys(config.debug_api_keys_file) if config.debug_api_keys_file else None
         self.status = RouterStatus.NEW
@@ -325,6 +328,7 @@ class RouterService:
             sync_state=self._sync_state,
             liveness=self.view.liveness,
             tokenizer=self.fingerprints.mine,
+            same_tokenizer=self.fingerprint_days.accepts,
             quarantined_for=lambda w: self._load_subs.quarantined_for(w) if self._load_subs is not None else None,
             fleet_log=self.fleet_log,
             created=lambda w: self._registry.created(w) if self._registry is not None else 0,
@@ -474,7 +478,7 @@ class RouterService:
             ledger=ledger,
             rng=random.Random(self.config.seed),
             calibration=self.calibration,
-            legacy_tokenizer=self.fingerprints.legacy,
+            fingerprints=self.fingerprint_days,
             fleet_log=self.fleet_log,
             unrouted=self.unrouted,
         )
@@ -605,6 +609,15 @@ class RouterService:
                 "(or --nats-creds-file) is not a router's, or --namespace differs from the one kvswitch secrets "
                 "was given",
             )
+        await self.fingerprint_days.backfill()  # before the workers are checked against them
+        self._loops.append(
+            background(
+                self.fingerprint_days.follow(),
+                "router-fingerprint-days",
+                "a worker whose engine probed its tokenizer on a day after this router's last gets no text prompts "
+                "from it, where its chat template writes the date, until the router restarts",
+            )
+        )
         self._registry = WorkerRegistry(
             self._discovery,
             self._on_worker_add,

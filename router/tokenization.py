@@ -19,7 +19,8 @@ worker whose shim predates the present probe set (protocol.fingerprint.PROBES_SI
 from one with another tokenizer by the fingerprint the old probes give this router's tokenizer.
 That fingerprint follows the clock, as the engine's does: a template may write today's date
 (Llama 3.2's "Today Date:", from `strftime_now`), and vLLM's `/tokenize` renders the probes with its
-own. The rendering digest replicas compare (router.peer_settings) is of `rendering_fingerprint`,
+own, so the router takes its tokenizer's fingerprint on each of several days (`fingerprints_on`,
+router.fingerprint_days). The rendering digest replicas compare (router.peer_settings) is of `rendering_fingerprint`,
 the template's clock pinned to RENDERING_NOW, so equal files give an equal digest on any day.
 A chat prompt's ids serve routing only: the engine renders the messages itself.
 
@@ -58,6 +59,7 @@ from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 from router.content_format import CONTENT_FORMATS, ContentFormat, detect_content_format
 from router.conversation import ConversationError, conversation, tool_definitions
 from router.eligibility import NAMED_AT_MOST, few_ids
+from router.fingerprint_days import FingerprintDays
 from router.fleet_lines import FleetLines, FleetLog, LastSaid
 from router.special_tokens import SpecialTokensError, read_special_tokens
 
@@ -72,6 +74,7 @@ __all__ = [
     "PromptTokenizer",
     "Tokenization",
     "TokenizerError",
+    "fingerprints_on",
     "load_tokenizer",
     "probe_ids",
     "rendering_fingerprint",
@@ -472,6 +475,17 @@ def tokenizer_fingerprints(tok: PromptTokenizer) -> Fingerprints:
     return Fingerprints(fingerprint(results), legacy_fingerprint(results))
 
 
+def fingerprints_on(tok: PromptTokenizer, day: datetime.date) -> Fingerprints:
+    """`tokenizer_fingerprints` with the template's clock at noon on `day`: what an engine probed on
+    that day in its own time zone advertises (router.fingerprint_days). Safe on a thread: the pin is
+    the calling context's alone."""
+    token = _pinned_now.set(datetime.datetime(day.year, day.month, day.day, 12))
+    try:
+        return tokenizer_fingerprints(tok)
+    finally:
+        _pinned_now.reset(token)
+
+
 def rendering_fingerprint(tok: PromptTokenizer) -> str:
     """`tokenizer_fingerprint` with the template's clock at RENDERING_NOW: what replicas compare
     (router.peer_settings.rendering_digest), equal for equal files on any day and in any time zone.
@@ -617,24 +631,28 @@ class FingerprintWatch:
     counted (router.fleet_lines); a worker back under its name (a fleet restart) with the same
     mismatch is not said again."""
 
-    def __init__(self, mine: str, legacy: str | None = None, fleet_log: FleetLog | None = None) -> None:
-        """`legacy`: this router's tokenizer's fingerprint under the old probes
-        (`Fingerprints.legacy`); a worker that advertises it is refused still, as a shim to upgrade.
-        `fleet_log`: its router's (router.fleet_lines)."""
-        self.mine = mine
-        self.legacy = legacy
+    def __init__(
+        self, mine: str | FingerprintDays, legacy: str | None = None, fleet_log: FleetLog | None = None
+    ) -> None:
+        """`mine`: this router's tokenizer's fingerprints by day (router.fingerprint_days), or its one
+        fingerprint. `legacy`, with one: its fingerprint under the old probes (`Fingerprints.legacy`); a
+        worker that advertises it is refused still, as a shim to upgrade. `fleet_log`: its router's
+        (router.fleet_lines)."""
+        self.days = mine if isinstance(mine, FingerprintDays) else FingerprintDays.fixed(mine, legacy)
+        self.mine = self.days.current
+        self.legacy = self.days.legacy
         self._mismatched: dict[str, str] = {}  # worker -> why
         self._said = LastSaid()
         self._lines = FleetLines(
             log,
             logging.ERROR,
-            f"get no text prompts from this router: their tokenizers differ from its {mine} (the first named "
+            f"get no text prompts from this router: their tokenizers differ from its {self.mine} (the first named "
             "above say how to fix it; /ready counts them, /debug/workers lists them)",
             fleet_log=fleet_log,
         )
 
     def check(self, info: WorkerInfo) -> None:
-        if info.tokenizer == self.mine:
+        if self.days.accepts(info.tokenizer):
             self._mismatched.pop(info.worker, None)
             self._said.clear(info.worker)
             return
@@ -653,7 +671,7 @@ class FingerprintWatch:
         self._mismatched.pop(worker, None)
 
     def _why(self, info: WorkerInfo) -> str:
-        if self.legacy is not None and info.tokenizer == self.legacy:
+        if self.days.is_legacy(info.tokenizer):
             return shim_predates_probes([info.worker])
         if not info.tokenizer:
             if self.mine != BUILTIN:
@@ -668,12 +686,14 @@ class FingerprintWatch:
                 f"its engine's tokenizer is {theirs} and this router has only the built-in one (engine_sim's): "
                 f"start the router with --tokenizer naming {info.model}'s tokenizer (token-id prompts still route)"
             )
-        return (
-            f"its tokenizer is {theirs}, the router's is {self.mine}: give the router the tokenizer "
-            f"{info.model} is served with, and the engine's --default-chat-template-kwargs if it has any, or, "
-            f"when this router's other models need its tokenizer, run {info.model} a router of its own "
-            f"(--model {info.model} --tokenizer ...; token-id prompts still route)"
+        other = (
+            f"give the router the tokenizer {info.model} is served with, and the engine's "
+            f"--default-chat-template-kwargs if it has any, or, when this router's other models need its tokenizer, "
+            f"run {info.model} a router of its own (--model {info.model} --tokenizer ...; token-id prompts still route)"
         )
+        if note := self.days.note():
+            return f"its tokenizer is {theirs}, the router's is {self.mine}; {note}. Else it is another: {other}"
+        return f"its tokenizer is {theirs}, the router's is {self.mine}: {other}"
 
     def report(self) -> dict[str, Any]:
         return {
