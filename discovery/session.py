@@ -27,9 +27,11 @@ DEFAULT_TTL = 10
 M = TypeVar("M", bound=msgspec.Struct)
 # gRPC's default reconnect backoff grows to two minutes: after an etcd outage longer than a lease
 # TTL, the first renewal would come too late for the lease etcd kept. Retry at least every second.
+# Not grpc.min_reconnect_backoff_ms: gRPC core takes it as each attempt's least connect timeout too
+# (20 s by default; subchannel.cc's ParseArgsForBackoffValues), and at 100 ms no etcd 150 ms away
+# (one way) ever connected: its SETTINGS frame came after the attempt had timed out (audit of 2026-12-07).
 _RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 # etcd3aio pings every 10 s, and gRPC waits for the answer its ping timeout (60 s) however short the
@@ -45,6 +47,9 @@ _AUTH_OFF = "authentication is not enabled"
 # gRPC's words for a handshake that failed on a certificate (the CA's, the server's name in it, or
 # the client's): a wrong file, which blaming the endpoints would not fix.
 _TLS_FAILED = ("Tls handshake failed", "is not in peer certificate", "Hostname Verification Check failed")
+# gRPC's words for a connection attempt out of time: its connect timeout, or the keepalive ping's
+# (_KEEPALIVE) on a connection whose first answer has not come.
+_TIMED_OUT = ("timed out", "ping timeout", "DEADLINE_EXCEEDED")
 _REQUIRE_LEADER = ("hasleader", "true")
 _PING_KEY = "__etcd3aio:ping__"  # what etcd3aio's ping reads (kvswitch.etcd_auth grants it)
 _CALL_FAILED = (EtcdError, TimeoutError, grpc.aio.AioRpcError)  # how an etcd call fails
@@ -144,6 +149,18 @@ def _credentials_error(s: EtcdSettings, exc: BaseException) -> ConfigError | Non
     return None
 
 
+def _late(exc: BaseException, timeout: float) -> str:
+    """What a failed connect's error adds when its attempts ran out of time rather than being
+    refused: the endpoints may well be right."""
+    if not isinstance(exc, TimeoutError) and not any(m in said(exc) for m in _TIMED_OUT):
+        return ""
+    return (
+        f"; the attempts timed out: a link too slow to connect within {timeout:g} s, or a TLS handshake "
+        "that does not finish (a server that hangs, or no TLS at an https:// endpoint), as likely as a "
+        "wrong address"
+    )
+
+
 class Discovery:
     """Registration under leases and watches under one namespace.
 
@@ -194,7 +211,8 @@ class Discovery:
             await client.close()
             if (wrong := _credentials_error(s, exc)) is not None:
                 raise wrong from exc
-            raise DiscoveryError(f"etcd at {', '.join(s.endpoints)} is not reachable: {said(exc)}") from exc
+            why = f"{said(exc)}{_late(exc, timeout)}"
+            raise DiscoveryError(f"etcd at {', '.join(s.endpoints)} is not reachable: {why}") from exc
         self._client, self.token = client, token
         return self
 
