@@ -92,6 +92,12 @@ class _ShimCollector(Collector):
         for state in LeaseState:
             states.add_metric([state.value], float(state is lease_state))
         yield states
+        yield _gauge(
+            "lease_unrenewed_seconds",
+            "Seconds since etcd last renewed the lease, while it does not answer (0 otherwise): past the lease's TTL, "
+            "routers that still reach etcd no longer see this worker",
+            s.lease_unrenewed_s or 0.0,
+        )
         yield _gauge("nats_connected", "1 while connected to NATS", float(s.nats_state == "connected"))
 
     def _engine(self) -> Iterator[Metric]:

@@ -88,6 +88,7 @@ from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.endpoint_probe import EndpointProbe
 from worker_shim.engine_events import EngineBatch, EngineRestarted, EngineStored
+from worker_shim.etcd_episodes import CutOff, RegisterFailures
 from worker_shim.event_health import EventProblem
 from worker_shim.http_server import ShimHttpServer
 from worker_shim.kv_events_config import listed_mode
@@ -330,6 +331,8 @@ class WorkerShim:
         self.session_failures = 0  # sessions ended by an error no rule expected (logged at ERROR)
         self.task_failures = dict.fromkeys(TASKS, 0)  # each logged at ERROR with its traceback
         self.registration_count = 0
+        self.register_failures = RegisterFailures(self.config.health_interval_s)
+        self._cut_off = CutOff()
         self.norm_stats = NormaliserStats()
         self.kv_counters = PublisherCounters()
         self.load_reports_sent = 0  # by every worker id this process registered
@@ -395,6 +398,11 @@ class WorkerShim:
             and reg is not None
             and reg.state in (RegistrationState.REGISTERED, RegistrationState.UNKNOWN)
         )
+
+    @property
+    def lease_unrenewed_s(self) -> float | None:
+        """Seconds since etcd last renewed the lease while it does not answer; None otherwise."""
+        return self.registration.unrenewed_s if self.registration is not None else None
 
     async def start(self) -> None:
         if self._main is not None:
@@ -480,6 +488,8 @@ class WorkerShim:
             "prefix_credit_short": self.credit.short,
             "nats": self.nats_state,
             "etcd": lease.state.value if lease is not None else "none",
+            "etcd_why": CutOff.trouble(reg) or self.register_failures.trouble(),
+            "lease_unrenewed_s": None if (unrenewed := self.lease_unrenewed_s) is None else round(unrenewed, 1),
             "engine_url": self.config.engine_url,
             "retired_workers": sorted({p.worker for p in self._retired}),
             "events_lag_s": None if (lag := self.adapter.events_lag_s()) is None else round(lag, 1),
@@ -1246,10 +1256,10 @@ class WorkerShim:
                 before_create=self._before_announce,
                 claims=self._engine_claim,
             )
-            worker = await self._register()
-            if worker is None:
-                await asyncio.sleep(self.config.health_interval_s)
-                return
+            while (worker := await self._register()) is None:
+                if not await self._register_again():
+                    return
+            self.register_failures.registered()
             self._held_since = None
             await self._on_registered(worker)
             lost = await self._monitor()
@@ -1275,8 +1285,28 @@ class WorkerShim:
             if not self._held_may_free(exc):
                 raise self._taken(exc) from exc
         except DiscoveryError as exc:
-            log.warning("registration failed (%s); retrying", exc)
+            self.register_failures.failed(exc)
         return None
+
+    async def _register_again(self) -> bool:
+        """Whether to try registering again, health_interval_s after a try that failed: not once
+        the shim stops, the event stream ends or the engine fails its health check (the next
+        session starts from the engine's health, as after any). The session goes on meanwhile: a
+        new one each try (until 2026-12-07) read the engine's limits and tokenizer and asked it for
+        a full replay of its KV events, every health_interval_s while etcd was down."""
+        assert self._events_task is not None
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        ended = (stopping, self._events_task)
+        try:
+            await asyncio.wait(ended, timeout=self.config.health_interval_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if self._stopping.is_set():
+            return False
+        if self._events_task.done():
+            self._events_ended(self._events_task)
+            return False
+        return await self.adapter.health() is EngineHealth.UP
 
     async def _took_over(self, exc: KeyTaken) -> bool:
         """Whether the holder of a held --worker-name or engine claim was proven gone and its lease
@@ -1634,6 +1664,7 @@ class WorkerShim:
                 stopping.cancel()
             if self._stopping.is_set():
                 return None
+            self._cut_off.check(self.registration)
             if self.registration.failed.is_set():
                 failure = self.registration.failure
                 if isinstance(failure, KeyTaken):
