@@ -35,7 +35,7 @@ from protocol.vllm_events import (
     encode_seq,
     replay_reply,
 )
-from runtime import background
+from runtime import background, cancel_and_wait
 
 __all__ = ["EventPublisher", "NullEventPublisher", "ZmqEventPublisher"]
 
@@ -153,8 +153,7 @@ class ZmqEventPublisher:
     async def stop(self) -> None:
         task, self._replay_task = self._replay_task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # a crash was said when it happened
+            await cancel_and_wait(task)  # a crash was said when it happened
         for sock in (self._pub, self._router):
             if sock is not None:
                 sock.close(linger=0)

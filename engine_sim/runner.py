@@ -31,6 +31,7 @@ from engine_sim.event_publisher import EventPublisher
 from engine_sim.faults import Faults
 from engine_sim.request import SimRequest
 from engine_sim.scheduler import Scheduler, StepResult
+from runtime import cancel_and_wait
 
 __all__ = ["MAX_LAG", "QUANTUM", "EngineRunner", "RequestStream", "StreamClosed"]
 
@@ -189,10 +190,8 @@ class EngineRunner:
         self._beats.clear()  # cancelled with the other tasks below
         tasks = [t for t in (self._task, *self._tasks) if t is not None]
         self._task = None
-        for t in tasks:
-            t.cancel()
         # A step loop that raised was said when it did (_ended); its error is not stop()'s.
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*tasks)
         self._tasks.clear()
         for h in self._pin_timers.values():
             h.cancel()

@@ -20,7 +20,6 @@ empty replay buffer. No AllBlocksCleared is sent; subscribers see seq start over
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import re
@@ -42,7 +41,7 @@ from engine_sim.sampler import word_ids
 from engine_sim.scheduler import Scheduler
 from protocol.timing import TimingModel
 from protocol.vllm_events import RESOLVED_BY_ENGINE, publisher_binds, rank_endpoint
-from runtime import LISTEN_BACKLOG
+from runtime import LISTEN_BACKLOG, cancel_and_wait
 
 __all__ = ["ServerStatus", "SimServer"]
 
@@ -277,11 +276,10 @@ class SimServer:
                 return
             self.status = ServerStatus.STOPPED
             pending = [t for t in self._pending if t is not asyncio.current_task()]
+            await cancel_and_wait(*pending)
             for t in pending:
-                t.cancel()
-            for t in pending:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+                if not t.cancelled():
+                    t.result()  # its error, raised as awaiting it did
             await self._tear_down()
 
     async def crash(self, why: str = "fault injection") -> None:

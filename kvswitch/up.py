@@ -742,21 +742,22 @@ async def _demo(cluster: LocalCluster, spec: ClusterSpec, stop: asyncio.Event) -
     if not cluster.router_urls:
         return 0 if cluster.healthy() else 1
     from kvswitch.demo import decision_counts, format_results, run_demo_requests
+    from runtime import cancel_and_wait
 
     async def demo(url: str) -> int:
         results = await run_demo_requests(url, spec.model)
         print(format_results(results, await decision_counts(url)), flush=True)
         return 0 if cluster.healthy() and all(r.ok for _, r in results) else 1
 
-    running = asyncio.ensure_future(demo(cluster.router_urls[0]))
+    running = asyncio.create_task(demo(cluster.router_urls[0]), name="demo-requests")
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([running, stopped], return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
     if running.done():
         return running.result()
-    running.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await running
+    await cancel_and_wait(running)
+    if not running.cancelled():
+        running.result()  # its error, raised as awaiting it did
     print("kvswitch up: --demo stopped before its requests ended", file=sys.stderr, flush=True)
     return 1
 

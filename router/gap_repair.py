@@ -75,7 +75,7 @@ from protocol import check_hashes, hash_count, subjects
 from protocol.errors import ProtocolError
 from protocol.messages import KvStateChunk, KvStateRequest, decode_msg, encode_msg
 from router.fleet_lines import FleetEpisodes, FleetLines, FleetLog
-from runtime import Throttle
+from runtime import Throttle, cancel_and_wait
 
 __all__ = ["BLOCKS_PER_WAIT", "CRASH_JITTER", "LIMIT_HINT", "FailureKind", "FetchFailure", "GapRepair", "RepairTarget"]
 
@@ -254,9 +254,7 @@ class GapRepair:
         for worker in self._loops:
             self._episodes.forget(worker)
         loops, self._loops = list(self._loops.values()), {}
-        for loop in loops:
-            loop.task.cancel()
-        await asyncio.gather(*(loop.task for loop in loops), return_exceptions=True)
+        await cancel_and_wait(*(loop.task for loop in loops))
 
     def _done(self, worker: str, task: asyncio.Task[None]) -> None:
         loop = self._loops.get(worker)

@@ -131,7 +131,7 @@ from router.lifecycle import PartStatus
 from router.newer_kinds import NewerKinds, shown
 from router.sender_budget import KvBudget, SenderBudget
 from router.sender_subscriptions import QUARANTINE_S, SenderSubscriptions
-from runtime import background, guarded
+from runtime import background, cancel_and_wait, guarded
 from runtime.turns import Turns
 
 __all__ = ["KvIngest"]
@@ -386,8 +386,7 @@ class KvIngest:
             return
         self.status = PartStatus.STOPPED
         if self._barrier is not None:
-            self._barrier.cancel()
-            await asyncio.gather(self._barrier, return_exceptions=True)
+            await cancel_and_wait(self._barrier)
         await self.subscriptions.stop()  # what it cannot unsubscribe (a draining connection) goes with it
         await self.repairs.stop()
 

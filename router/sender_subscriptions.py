@@ -56,7 +56,7 @@ from nats.errors import Error as NatsError
 from nats.errors import FlushTimeoutError
 
 from discovery.watch import keep_following
-from runtime import background
+from runtime import background, cancel_and_wait
 from runtime.nats_flush import flush
 from runtime.nats_unsubscribe import unsubscribe
 
@@ -177,9 +177,7 @@ class SenderSubscriptions:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
         for sub in [*self._each.values(), *([self._all] if self._all is not None else [])]:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

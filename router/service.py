@@ -98,7 +98,7 @@ from router.tracing import RequestTracer
 from router.unheard import Unheard
 from router.worker_registry import WorkerRegistry, context_message
 from router.worker_versions import WorkerVersions
-from runtime import RepeatedErrors, background, ended, guarded
+from runtime import RepeatedErrors, background, cancel_and_wait, ended, guarded
 from runtime.loop_watch import LoopWatch
 from runtime.nats_connect import connect as nats_connect
 from runtime.nats_connect import error_reporter, refused_subscriptions
@@ -659,9 +659,7 @@ class RouterService:
             if cut := await self._drain.finish(self.config.drain_s):
                 log.warning("%d requests still running after the %gs drain: ended with a 503", cut, self.config.drain_s)
             await runner.cleanup()
-        for task in (*self._tasks, *self._loops):
-            task.cancel()
-        await asyncio.gather(*self._tasks, *self._loops, return_exceptions=True)
+        await cancel_and_wait(*self._tasks, *self._loops)
         await self.loop_watch.stop()
         for part in (self._registry, self._ingest, self._sync, self._dispatcher):
             if part is not None:

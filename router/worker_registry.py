@@ -79,7 +79,7 @@ from router.fleet_lines import FleetLines, FleetLog
 from router.fleet_vote import Ballot, Fit, Standing, votes
 from router.lifecycle import PartStatus
 from router.served_names import Resolved, clash_message, served_as, shadow_message
-from runtime import background
+from runtime import background, cancel_and_wait
 
 __all__ = ["ContextConflict", "Refused", "WorkerRegistry", "context_message"]
 
@@ -204,9 +204,7 @@ class WorkerRegistry:
         self.status = PartStatus.STOPPED
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._records.flush()  # a change held for its window's end, which no timer will say now
 
     async def wait_ready(self, timeout: float) -> bool:

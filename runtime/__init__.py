@@ -8,7 +8,6 @@ shim and the simulator need not import the `kvswitch` CLI package to run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
 import logging
@@ -181,11 +180,11 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
-async def start_or_stop(start: Awaitable[object], stop: asyncio.Event) -> bool:
+async def start_or_stop(start: Coroutine[Any, Any, object], stop: asyncio.Event) -> bool:
     """True once `start` is done (its error raised if it failed); False when `stop` is set first,
     after cancelling `start`. A service that cannot reach NATS or etcd keeps trying to start; a
     SIGTERM then must end it at once, not after `run_service`'s drain limit."""
-    starting = asyncio.ensure_future(start)
+    starting = asyncio.create_task(start, name="start")
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -194,9 +193,9 @@ async def start_or_stop(start: Awaitable[object], stop: asyncio.Event) -> bool:
     if starting.done():
         starting.result()
         return True
-    starting.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await starting
+    await cancel_and_wait(starting)
+    if not starting.cancelled():
+        starting.result()  # its error, raised as it ended
     return False
 
 
@@ -217,34 +216,39 @@ CANCEL_AGAIN_S = 10.0
 second cancel cut that short at 1 s and left a new lease in etcd (a review of 2026-12-07)."""
 
 
-async def cancel_and_wait(task: asyncio.Task[Any], again_s: float | None = None) -> None:
-    """Cancel `task` and wait for its end, cancelling it again every `again_s` (CANCEL_AGAIN_S) while it runs on.
+async def cancel_and_wait(*tasks: asyncio.Task[Any], again_s: float | None = None) -> None:
+    """Cancel `tasks` and wait for their end, cancelling again every `again_s` (CANCEL_AGAIN_S) each that runs on.
     A cancellation can be lost below a task (Python 3.11's asyncio and grpc.aio each can drop one
     that comes with an answer), and a task that loops then runs for good: a shim's stop waited on
     its registration's supervisor forever (a full test run of 2026-12-07, its loop idle in a
-    teardown; CI's like it had no trace). Said at WARNING when it had to cancel again. A caller
-    cancelled meanwhile cancels `task` again as it goes (as awaiting it did). Its outcome is
-    retrieved, not raised: a crash was said as it came (background())."""
+    teardown; CI's like it had no trace). Said at WARNING, per task, when it had to cancel again. A
+    caller cancelled meanwhile cancels `tasks` again as it goes (as awaiting them did). Their
+    outcomes are retrieved, not raised: a crash was said as it came (background()), or is read from
+    the task by a caller whose own error it is (task.result())."""
     every = CANCEL_AGAIN_S if again_s is None else again_s
-    task.cancel()
-    again = 0
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=every)
-            if not task.done():
-                again += 1
-                task.cancel()
-    except asyncio.CancelledError:
+    for task in tasks:
         task.cancel()
+    again = dict.fromkeys(tasks, 0)
+    try:
+        while running := {task for task in tasks if not task.done()}:
+            await asyncio.wait(running, timeout=every)
+            for task in running:
+                if not task.done():
+                    again[task] += 1
+                    task.cancel()
+    except asyncio.CancelledError:
+        for task in tasks:
+            task.cancel()
         raise
-    if again:
-        _log.warning(
-            "task %s ran on through its cancellation (lost below it): cancelled again %d time(s) before it ended",
-            task.get_name(),
-            again,
-        )
-    if not task.cancelled():
-        task.exception()
+    for task, times in again.items():
+        if times:
+            _log.warning(
+                "task %s ran on through its cancellation (lost below it): cancelled again %d time(s) before it ended",
+                task.get_name(),
+                times,
+            )
+        if not task.cancelled():
+            task.exception()
 
 
 # what each background task's end stops (its owner's readiness names it: ended())

@@ -34,7 +34,6 @@ LoadReport carrying it reaches a router after the batch it names.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
@@ -62,7 +61,7 @@ from protocol import (
     subjects,
     unpack_hashes,
 )
-from runtime import background
+from runtime import background, cancel_and_wait
 from worker_shim.event_log import MIN_PAYLOAD, EventLog, batch_bytes, event_bytes
 from worker_shim.kv_pace import KvPace
 from worker_shim.normaliser import Normaliser
@@ -182,9 +181,7 @@ class KvPublisher:
         done, _ = await asyncio.wait({task}, timeout=timeout)
         if not done:
             log.warning("KV publisher did not drain within %.0fs: %d batches unsent", timeout, len(self._outbox))
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
     def add(self, events: list[KvEvent]) -> None:
         """Queue events; a batch is sealed before it would pass MAX_EVENTS, MAX_HASHES or the bytes

@@ -44,7 +44,7 @@ from nats.errors import Error as NatsError
 
 from protocol import LoadReport, encode_msg, subjects
 from protocol.config import MIN_LOAD_PERIOD_S
-from runtime import Throttle, background, clipped
+from runtime import Throttle, background, cancel_and_wait, clipped
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineLoad
 from worker_shim.kv_publisher import KvDigestAt
 
@@ -147,11 +147,7 @@ class LoadReporter:
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(Exception, asyncio.CancelledError):  # a crash was logged when it happened
-                await task
+        await cancel_and_wait(*tasks)  # a crash was logged when it happened
 
     def poke(self) -> None:
         self._poke.set()

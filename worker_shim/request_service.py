@@ -89,7 +89,7 @@ from protocol import (
 )
 from protocol.hashing import chain_salt
 from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, ENGINE_HEADERS, UTILITY_ENDPOINTS
-from runtime import background
+from runtime import background, cancel_and_wait
 from runtime.fd_limit import fd_limit
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
 from worker_shim.credit_check import reusable
@@ -496,13 +496,9 @@ async def _reap(task: asyncio.Task[Any] | None, what: str) -> None:
     the leg's final chunk and bookkeeping come after this."""
     if task is None:
         return
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    except Exception:
-        log.exception("%s failed", what)
+    await cancel_and_wait(task)
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("%s failed", what, exc_info=exc)
 
 
 def _open_fds() -> int:
@@ -1102,13 +1098,19 @@ class RequestService:
         take for an abort."""
         for resend in list(self._resends):
             resend.cancel()
-        tasks = []
+        running: list[asyncio.Task[None]] = []
+        unstarted: list[asyncio.Task[None]] = []
         for s in list(self.inflight.values()):
             if s.task is not None and not s.task.done():
                 s.ended = s.ended or error
-                self._stop(s)
-                tasks.append(s.task)
-        for t in tasks:
+                (running if s.running else unstarted).append(s.task)
+        # A leg not yet started ends at its first step, told by its flags (_stop): cancelled before
+        # it, it would never run, nor send its final chunk.
+        await cancel_and_wait(*running)
+        for t in running:
+            if not t.cancelled():
+                t.result()  # a leg's own error, raised as awaiting it did
+        for t in unstarted:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
 

@@ -66,7 +66,7 @@ from protocol.errors import listen_error
 from protocol.hashing import block_hashes
 from protocol.version import BUILD
 from protocol.vllm_events import RESOLVED_BY_ENGINE
-from runtime import TickErrors, background, clipped, ended, guarded
+from runtime import TickErrors, background, cancel_and_wait, clipped, ended, guarded
 from runtime.nats_connect import refused_subscriptions
 from runtime.nats_flush import flush
 from runtime.nats_unsubscribe import unsubscribe
@@ -675,9 +675,7 @@ class WorkerShim:
         try:
             await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (task, stop):
-                t.cancel()
-            await asyncio.gather(task, stop, return_exceptions=True)
+            await cancel_and_wait(task, stop)
         return None if task.cancelled() else task.result()  # an error it ended with is raised
 
     async def _serves_one_token(self) -> bool:
@@ -1329,9 +1327,7 @@ class WorkerShim:
         try:
             await asyncio.wait([proof, stopping], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (proof, stopping):
-                task.cancel()
-            await asyncio.gather(proof, stopping, return_exceptions=True)
+            await cancel_and_wait(proof, stopping)
         if proof.cancelled():
             return False
         if (failure := proof.exception()) is None:
@@ -1627,10 +1623,7 @@ class WorkerShim:
         retired = {p: t for p, t in self._retired.items() if worker in (None, p.worker)}
         for presence in retired:
             del self._retired[presence]
-        for task in retired.values():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*retired.values())
         # A retirement cancelled while it unsubscribed: its requests already delivered are handled
         # first, under the same deadline as the barrier after it.
         deadline = time.monotonic() + timeout
@@ -1826,9 +1819,7 @@ class WorkerShim:
             await self._fail_legs(lost)
         task, self._events_task = self._events_task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait(task)
         retry, self._tokenizer_retry = self._tokenizer_retry, None
         if retry is not None:
             await retry.stop()
@@ -1885,8 +1876,7 @@ class WorkerShim:
                     self.task_failures["orphan_check"] += 1
                     errors(exc)
         finally:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+            await cancel_and_wait(watch)
             orphans.flush()  # a reason change held for its window's end, which no timer would say now
 
     # --- stop -----------------------------------------------------------------------------------
@@ -1898,8 +1888,7 @@ class WorkerShim:
         self._poke_load()  # `draining`: routers stop sending new requests now, not at the next period
         orphans, self._orphans_task = self._orphans_task, None
         if orphans is not None:
-            orphans.cancel()
-            await asyncio.gather(orphans, return_exceptions=True)
+            await cancel_and_wait(orphans)
         main, self._main = self._main, None
         if main is not None:
             with contextlib.suppress(asyncio.CancelledError):

@@ -20,6 +20,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import SlowConsumerError
 
+import runtime
 from kvswitch.servers import NatsServer
 from protocol import LoadReport, encode_msg, subjects
 from protocol.config import NatsSettings
@@ -28,6 +29,7 @@ from router.sender_budget import KvBudget, SenderBudget
 from router.sender_subscriptions import SenderSubscriptions
 from router.service import RouterConfig, RouterService
 from runtime.nats_flush import flush
+from tests.lost_cancellation import ends_within, never_answers
 from tests.router.conftest import Cluster
 from tests.router.polling import until
 
@@ -439,3 +441,25 @@ async def test_a_quarantine_that_ends_while_the_routers_nats_is_down_ends_once_i
         await until(lambda: (live := router.view.liveness(flooded.id)) is not None and live.age_s < 0.6, what="heard")
     finally:
         await cluster.close()
+
+
+async def test_a_stop_ends_a_task_that_lost_its_cancellation(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop that cancels its task once and waits waited for good on one whose cancellation was
+    lost below it (a NATS call that swallowed it). It is now cancelled again until it ends."""
+    monkeypatch.setattr(runtime, "CANCEL_AGAIN_S", 0.2)  # 10 s in service
+    nc = await nats.connect(nats_url)
+
+    async def handler(msg: Msg) -> None:
+        return None
+
+    subs = SenderSubscriptions(nc, "t.kv.*", lambda w: f"t.kv.{w}", handler, list, what="KV event")
+    await subs.start()
+    lost: list[str] = []
+    try:
+        subs._settle = lambda: never_answers(lost, "subscribe")  # type: ignore[method-assign]
+        subs.reconnected()  # its next change now
+        await asyncio.sleep(0.1)
+        assert await ends_within(subs.stop(), 5), "stop() still waits on its task"
+        assert lost == ["subscribe"]
+    finally:
+        await nc.close()

@@ -65,3 +65,32 @@ async def test_a_caller_cancelled_meanwhile_cancels_the_task_again() -> None:
             await cancel_and_wait(task, again_s=10.0)
     await asyncio.sleep(0.05)
     assert task.cancelled()
+
+
+async def test_a_group_is_cancelled_until_each_ends_and_each_that_ran_on_is_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stop that cancels a set of tasks (a router's loops, a reporter's two) waits for them all,
+    each cancelled again while it runs on; the WARNING names each that had to be, and no other."""
+    ticks: list[int] = []
+    tasks = [asyncio.create_task(_swallows(lost, ticks), name=f"loop-{lost}") for lost in (0, 1, 2)]
+    await asyncio.sleep(0.05)
+    try:
+        with caplog.at_level(logging.WARNING, logger="runtime"):
+            async with asyncio.timeout(10):
+                await cancel_and_wait(*tasks, again_s=0.05)
+    finally:
+        for task in tasks:  # one by one: not left looping into the loop's close, should the group fail
+            await cancel_and_wait(task, again_s=0.05)
+    assert all(t.cancelled() for t in tasks)
+    said = sorted(r.getMessage() for r in caplog.records if r.name == "runtime")
+    assert said == [
+        f"task loop-{lost} ran on through its cancellation (lost below it): cancelled again {lost} time(s) "
+        "before it ended"
+        for lost in (1, 2)
+    ], said
+
+
+async def test_a_group_of_none_is_no_wait() -> None:
+    async with asyncio.timeout(1):
+        await cancel_and_wait()

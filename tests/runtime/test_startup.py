@@ -17,8 +17,10 @@ import time
 
 import pytest
 
+import runtime
 from kvswitch.servers import free_port
 from runtime import RepeatedErrors, start_or_stop
+from tests.lost_cancellation import ends_within, never_answers
 
 
 async def test_a_start_that_finishes_first_is_started() -> None:
@@ -38,6 +40,28 @@ async def test_a_stop_first_cancels_the_start_and_its_cleanup_runs() -> None:
     asyncio.get_running_loop().call_later(0.05, stop.set)
     assert await start_or_stop(start(), stop) is False
     assert cleaned == [True]
+
+
+async def test_a_stop_first_ends_a_start_that_lost_its_cancellation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start whose first cancellation is lost below it and that tries again (as a connect does):
+    the wait for it ended only once it started, which it might never. It is now cancelled again
+    until it ends."""
+    monkeypatch.setattr(runtime, "CANCEL_AGAIN_S", 0.05)  # 10 s in service
+    lost: list[str] = []
+
+    async def start() -> None:
+        while True:
+            await never_answers(lost, "connect")
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.05, stop.set)
+    started: list[bool] = []
+
+    async def starting() -> None:
+        started.append(await start_or_stop(start(), stop))
+
+    assert await ends_within(starting(), 5), "start_or_stop still waits on its start"
+    assert started == [False] and lost == ["connect"]
 
 
 async def test_a_start_that_fails_raises_its_error() -> None:

@@ -15,6 +15,7 @@ import aiohttp
 import nats
 import pytest
 
+import runtime
 from engine_sim.server import SimServer
 from kvswitch.servers import NatsServer
 from protocol import Cleared, KvEventBatch, LoadReport, decode_msg, subjects
@@ -22,6 +23,7 @@ from protocol.config import MIN_LOAD_PERIOD_S
 from router.sender_budget import SenderBudget
 from runtime import Throttle
 from runtime.nats_flush import flush
+from tests.lost_cancellation import ends_within, never_answers
 from tests.relay import Relay
 from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
 from tests.worker_shim.test_kv_digest import replayed, xor_of
@@ -479,3 +481,36 @@ async def test_a_stale_reading_publishes_no_fewer_requests_than_the_shims_legs_i
         assert (stale.waiting, stale.engine_ts, reporter.healthy) == (waiting, fresh.engine_ts, True)
     finally:
         await reporter.stop()
+
+
+class _LosesOneCancel:
+    """A NATS client and an engine whose calls never answer, each swallowing its first cancellation."""
+
+    is_connected = True
+
+    def __init__(self) -> None:
+        self.lost: list[str] = []
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        await never_answers(self.lost, "publish")
+
+    async def load(self) -> EngineLoad:
+        await never_answers(self.lost, "load")
+        return EngineLoad()
+
+
+async def test_a_stop_ends_loops_that_lost_their_cancellations(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stop that cancels its loops once and waits waited for good on one whose cancellation was
+    lost below it. Each is now cancelled again until it ends, and named."""
+    monkeypatch.setattr(runtime, "CANCEL_AGAIN_S", 0.2)  # 10 s in service
+    both = _LosesOneCancel()
+    reporter = LoadReporter(both, "t", "w1", both, lambda: 0, 100, period_s=0.05, poll_s=0.02)  # type: ignore[arg-type]
+    reporter.start()
+    await asyncio.sleep(0.1)  # each loop in its call
+    with caplog.at_level(logging.WARNING, logger="runtime"):
+        assert await ends_within(reporter.stop(), 5), "stop() still waits on its loops"
+    assert sorted(both.lost) == ["load", "publish"]
+    said = sorted(r.getMessage().split(" ran on")[0] for r in caplog.records if r.name == "runtime")
+    assert said == ["task load-poll-w1", "task load-w1"], said

@@ -18,9 +18,11 @@ from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 from nats.errors import OutboundBufferLimitError
 
+import runtime
 from kvswitch.servers import NatsServer
 from protocol import GenerateRequest, ResponseChunk, SamplingParams, Usage, decode_msg, encode_msg, subjects
 from runtime.nats_flush import flush
+from tests.lost_cancellation import ends_within, never_answers
 from tests.worker_shim.cluster import wait_for
 from worker_shim import request_service
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest, OnOutput
@@ -781,3 +783,38 @@ async def test_a_leg_that_ends_while_a_held_chunk_is_published_waits_for_that_fl
     engine = HeldOverTwoChunks(nc.max_payload - request_service._ENVELOPE)
     chunks = await held_leg_ended_by_overflow(nc, replies, ns, engine)
     assert [t for c in chunks for t in c.token_ids] == list(range(1, 13)), "the flush's first chunk went"
+
+
+# --- stop ---------------------------------------------------------------------------------------
+
+
+class LosesOneCancel(FakeEngine):
+    """An engine whose call never answers and swallows its first cancellation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost: list[str] = []
+        self.calling = False
+
+    async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
+        self.calling = True
+        while True:
+            await never_answers(self.lost, "generate")
+
+
+async def test_a_stop_ends_a_leg_whose_engine_call_lost_its_cancellation(
+    nc: Nats, replies: Replies, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop that cancelled the legs in flight once and waited waited for good on one whose
+    cancellation was lost below it. A leg is now cancelled again until it ends, its client told
+    the shim stopped."""
+    monkeypatch.setattr(runtime, "CANCEL_AGAIN_S", 0.2)  # 10 s in service
+    engine = LosesOneCancel()
+    svc = service(nc, engine)
+    await send(replies, await serving(svc, ns), "r1")
+    await wait_for(lambda: engine.calling, what="the engine call")
+    assert await ends_within(svc.drain(0), 5), "drain() still waits on its leg"
+    assert engine.lost == ["generate"] and not svc.inflight
+    await replies.settled()
+    last = replies.chunks("r1")[-1]
+    assert last.final and last.error is not None and last.error.kind == "shutdown", last

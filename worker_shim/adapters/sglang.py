@@ -71,6 +71,7 @@ import msgspec
 
 from protocol import ConfigError, Usage
 from protocol.messages import ENDPOINT_CHAT
+from runtime import cancel_and_wait
 from worker_shim.adapters.base import (
     EngineError,
     EngineLimits,
@@ -487,10 +488,7 @@ class SglangAdapter(ZmqEventsAdapter):
         """Prefill requests still running are aborted first, each sending its `/abort_request` on the
         open session, and awaited: until 2026-12-07 the session closed under them, and each was cut
         unaborted with "Task exception was never retrieved" (RuntimeError: adapter not open)."""
-        left = list(self._background)
-        for t in left:
-            t.cancel()
-        await asyncio.gather(*left, return_exceptions=True)
+        await cancel_and_wait(*self._background)
         await super().close()
 
     @property

@@ -56,6 +56,7 @@ import aiohttp
 import msgspec
 
 from protocol.messages import BAD_TRANSFER_HANDLE, ENDPOINT_CHAT, PREFILL_STOPPED, lax_int
+from runtime import cancel_and_wait
 from worker_shim.adapters.base import (
     EngineCold,
     EngineError,
@@ -326,8 +327,7 @@ class TrtllmAdapter(HttpEngineAdapter):
     async def close(self) -> None:
         task, self._metrics = self._metrics, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # its failure too is nobody's now
+            await cancel_and_wait(task)  # its failure too is nobody's now
         await super().close()
 
     async def _read_metrics(self, wait_s: float) -> bytes | None:
