@@ -1089,7 +1089,17 @@ class RequestService:
         self.accepting = False
         tasks = [s.task for s in self.inflight.values() if s.task is not None]
         if tasks:
+            log.info("draining %d legs, up to %gs (--drain-grace-s)", len(tasks), grace_s)
             await asyncio.wait(tasks, timeout=grace_s)
+        # Each ends with a 503 `shutdown`, counted in kvswitch_shim_requests_total{outcome="shutdown"};
+        # until 2026-12-07 they were cut without a word, their clients' 502s unexplained in this log.
+        if cut := sum(not t.done() for t in tasks):
+            log.warning(
+                "%d legs still running after the %gs drain (--drain-grace-s): ended with 503 shutdown "
+                '(kvswitch_shim_requests_total{outcome="shutdown"})',
+                cut,
+                grace_s,
+            )
         await self.abort_all()
 
     async def abort_all(self, error: ErrorInfo = _SHUTDOWN) -> None:

@@ -181,6 +181,37 @@ async def test_drain_past_its_grace_aborts_the_engines_prefills(prefill: Prefill
         assert last.error is not None and last.error.kind == "shutdown"
 
 
+async def test_drain_says_what_it_waits_for_and_what_it_cuts_and_counts_the_cut(
+    prefill: Prefill, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Until 2026-12-07 the legs drain cut at --drain-grace-s ended without a word in the shim's
+    log (review: its clients got 502s, its log said "SIGTERM: draining" only)."""
+    p = prefill
+    caplog.set_level(logging.INFO, logger="worker_shim.request_service")
+    for rid in ("r1", "r2", "r3"):
+        await p.col.send(p.subject, gen(rid, PROMPT, early_transfer=True))
+    await _held(p, "r1", "r2", "r3")
+    p.engine.answer("r3")
+    await p.col.final("r3", 5)
+    drain = asyncio.ensure_future(p.svc.drain(1.0))
+    await asyncio.sleep(0.2)
+    p.engine.answer("r2")  # ends within the grace: waited for, not cut
+    await asyncio.wait_for(drain, 5)
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "drain" in r.getMessage()]
+    assert said == [
+        ("INFO", "draining 2 legs, up to 1s (--drain-grace-s)"),
+        (
+            "WARNING",
+            "1 legs still running after the 1s drain (--drain-grace-s): ended with 503 shutdown "
+            '(kvswitch_shim_requests_total{outcome="shutdown"})',
+        ),
+    ], said
+    assert (await p.col.final("r2")).error is None
+    cut = await p.col.final("r1")
+    assert cut.error is not None and cut.error.kind == "shutdown"
+    assert p.svc.outcomes[("prefill", "shutdown")] == 1
+
+
 async def test_an_old_routers_prefill_runs_past_its_legs_deadline_once_its_handle_went(prefill: Prefill) -> None:
     """The review's r3 with a router of before 2026-12-07: its prefill leg's deadline is its prefill
     timeout, but once the handle went the engine waits on the decode leg, whose deadline is the
