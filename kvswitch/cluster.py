@@ -643,17 +643,23 @@ class LocalCluster:
             return None
         return decode_json(base64.b64decode(kvs[0].get("value", "")), RouterInfo).http_url
 
-    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S, *, again: str = "") -> list[str]:
         """Stop the children tier by tier, the last started first (routers, then shims, then
         sims), each tier drained before the next is signalled: requests in flight finish on
         engines that are still up. A tier gets `grace_s` (the shim drains for 30 s at most), then
-        is killed. Then the servers go."""
+        is killed. Then the servers go. Each tier is said as it starts (a stop can take minutes,
+        silent it looked hung), with `again`: what a second signal does, where the caller has one.
+        The names of the children that had to be killed."""
         with self._lock:  # a restart meanwhile: none after this, and the one before is stopped here
             self._stopping = True
+        killed: list[str] = []
         for tier in _tiers(list(reversed(self.children))):
-            for child in tier:
-                if child.proc.poll() is None:
-                    child.proc.send_signal(signal.SIGTERM)
+            running = [child for child in tier if child.proc.poll() is None]
+            if running:
+                kind = running[0].kind + ("s" if len(running) > 1 else "")
+                log.info("stopping %d %s (draining up to %.0fs, then killed%s)", len(running), kind, grace_s, again)
+            for child in running:
+                child.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             for child in tier:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -662,10 +668,12 @@ class LocalCluster:
                     log.error("%s did not stop within %.0fs of SIGTERM: killed", child.name, grace_s)
                     child.proc.kill()
                     child.proc.wait(5)
+                    killed.append(child.name)
         for servers in (self.etcd, self.nats):
             if servers is not None:
                 servers.close()
         self._forget()
+        return killed
 
     def kill(self) -> None:
         """SIGKILL every child and server now and remove the cluster's directories: for a
@@ -674,6 +682,11 @@ class LocalCluster:
         with self._lock:
             self._stopping = True
         children = list(self.children)
+        running = sum(child.proc.poll() is None for child in children)
+        named = [s.name for s in (self.nats, self.etcd) if s is not None]
+        if running or named:
+            also = f", {' and '.join(named)}" if named else ""
+            log.warning("killing %d children%s now: requests and streams in flight are cut", running, also)
         for child in children:
             if child.proc.poll() is None:
                 child.proc.kill()

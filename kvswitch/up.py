@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -784,18 +785,87 @@ async def _start(cluster: LocalCluster, spec: ClusterSpec, stop: asyncio.Event) 
     return True
 
 
+async def _serve(args: argparse.Namespace, cluster: LocalCluster, spec: ClusterSpec, stop: asyncio.Event) -> int:
+    """Start the cluster, then run its demo or supervise it until `stop`: the exit status."""
+    try:
+        if not await _start(cluster, spec, stop):
+            return 0
+    except ServerError as exc:
+        print(f"kvswitch up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(cluster.describe(), flush=True)
+    said = cluster.health_line()
+    print(said, flush=True)
+    if not spec.prefill + spec.decode + spec.agg:
+        print(_NO_WORKERS, flush=True)
+    if args.demo:
+        return await _demo(cluster, spec, stop)
+    print("kvswitch up: Ctrl-C or SIGTERM to stop", flush=True)
+    fault = await _supervise(cluster, _HealthLog(cluster, said), stop)
+    if fault is None:
+        return 0
+    log.error("%s; stopping the cluster", fault)
+    print(f"kvswitch up: {fault}: the cluster is no longer supervised, so it is stopped", file=sys.stderr,
+          flush=True)  # fmt: skip
+    return 1
+
+
+_AGAIN = "; a second SIGTERM or Ctrl-C kills everything now"
+
+
+def _stopped(killed: list[str]) -> str:
+    """The line that ends a stop: whether a child had to be killed (its requests in flight cut)."""
+    if not killed:
+        return "kvswitch up: stopped"
+    return (
+        f"kvswitch up: stopped, but killed {len(killed)} {'child' if len(killed) == 1 else 'children'} that did not "
+        f"stop within {STOP_GRACE_S:.0f}s of SIGTERM ({', '.join(killed)}): what they served was cut; exit 1"
+    )
+
+
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
 def run(args: argparse.Namespace) -> int:
     if args.demo and not (args.prefill or args.decode or args.agg):
         args.prefill, args.decode = 1, 2
         args.speedup = args.speedup if args.speedup != 1.0 else 10.0
         if not getattr(args, "extra", []):
             args.extra = ["--conditional-disagg"]
+    # SIGTERM and SIGINT are held back (blocked) until run_service handles them, in `main`: during
+    # the checks (a second or so, importing the router's and the shim's settings) a SIGTERM killed
+    # up outright, leaving their directory in $TMPDIR (with --secure a CA and an nkey seed), and a
+    # Ctrl-C was a traceback. One that came meanwhile stops up once they are done, their directory
+    # removed, before anything starts.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
-        spec = _spec(args)
-        _check_ports(spec)
-    except UpFlagError as exc:
-        print(exc, file=sys.stderr, flush=True)
-        return 2
+        try:
+            spec = _spec(args)
+            _check_ports(spec)
+        except UpFlagError as exc:
+            print(exc, file=sys.stderr, flush=True)
+            return 2
+        if came := _taken(_STOP_SIGNALS):
+            print(f"kvswitch up: {came} during its checks: stopped before anything started", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            return 0
+        return _up(args, spec, lambda: signal.pthread_sigmask(signal.SIG_SETMASK, mask))
+    finally:
+        _taken(_STOP_SIGNALS)  # held back still (an error), not delivered: a SIGTERM's default kills
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _taken(signals: set[signal.Signals]) -> str:
+    """The names of `signals` that came while held back (blocked), taken: not delivered once unblocked."""
+    came = sorted(signal.sigpending() & signals)
+    for sig in came:
+        signal.sigwait({sig})
+    return " and ".join(sig.name for sig in came)
+
+
+def _up(args: argparse.Namespace, spec: ClusterSpec, unhold: Callable[[], object]) -> int:
+    """Run the cluster `spec` until a signal (or its demo's end); `unhold` lets the stop signals
+    through, once run_service handles them."""
     from runtime import run_service
 
     cluster = LocalCluster(spec)
@@ -809,43 +879,26 @@ def run(args: argparse.Namespace) -> int:
 
     async def main(stop: asyncio.Event) -> int:
         nonlocal tls_dir
+        unhold()
         tls_dir = tempfile.mkdtemp(prefix="kvswitch-tls-") if args.secure else None
         if tls_dir is not None:
             from kvswitch.certs import write_tls
 
             spec.tls = write_tls(Path(tls_dir), ["127.0.0.1", "localhost"])
         try:
-            try:
-                if not await _start(cluster, spec, stop):
-                    return 0
-            except ServerError as exc:
-                print(f"kvswitch up: {exc}", file=sys.stderr, flush=True)
-                return 1
-            print(cluster.describe(), flush=True)
-            said = cluster.health_line()
-            print(said, flush=True)
-            if not spec.prefill + spec.decode + spec.agg:
-                print(_NO_WORKERS, flush=True)
-            if args.demo:
-                return await _demo(cluster, spec, stop)
-            print("kvswitch up: Ctrl-C or SIGTERM to stop", flush=True)
-            fault = await _supervise(cluster, _HealthLog(cluster, said), stop)
-            if fault is None:
-                return 0
-            log.error("%s; stopping the cluster", fault)
-            print(f"kvswitch up: {fault}: the cluster is no longer supervised, so it is stopped", file=sys.stderr,
-                  flush=True)  # fmt: skip
-            return 1
+            code = await _serve(args, cluster, spec, stop)
         finally:
             # A stop of up's own (the demo done, a start that failed) is bounded as a SIGTERM's:
             # setting `stop` starts run_service's drain limit.
             stop.set()
             # On a thread: a stop takes up to a tier's grace per tier, and a second SIGTERM
             # meanwhile must still be heard (it exits at once, after `abort`).
-            await asyncio.to_thread(cluster.stop)
+            killed = await asyncio.to_thread(cluster.stop, again=_AGAIN)
             if tls_dir is not None:
                 shutil.rmtree(tls_dir, ignore_errors=True)
-            print("kvswitch up: stopped", file=sys.stderr, flush=True)
+            print(_stopped(killed), file=sys.stderr, flush=True)
+        # A child killed is a stop that cut what it served: not a clean one, for a supervisor to see.
+        return code or (1 if killed else 0)
 
     # Draining is the tiered stop: three tiers of children, each up to its grace, then the servers.
     return run_service(main, drain_limit_s=4 * STOP_GRACE_S, on_abort=abort)

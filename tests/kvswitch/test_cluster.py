@@ -6,7 +6,10 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -16,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from kvswitch.cluster import ClusterSpec, LocalCluster
+from kvswitch.cluster import ClusterSpec, LocalCluster, _Child
 from kvswitch.servers import FREE_PORTS_ENV, ServerError, free_ports
 from tests.engine_sim.listening import listening
 
@@ -299,3 +302,42 @@ def test_free_ports_are_drawn_from_the_range_given_and_a_bad_one_is_refused(monk
     monkeypatch.setenv(FREE_PORTS_ENV, "20100-20000")
     with pytest.raises(ServerError, match=FREE_PORTS_ENV):
         free_ports(1)
+
+
+def _child(tmp: Path, name: str, ignores_sigterm: bool = False) -> _Child:
+    """A child that stops on SIGTERM, or ignores it (a shim SIGSTOPped, hung): started once it is set."""
+    ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if ignores_sigterm else ""
+    code = f"import signal, sys, time; {ignore}print('set', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"set\n"
+    return _Child(name, name.partition("-")[0], proc, tmp / f"{name}.log")
+
+
+def test_stop_says_each_tier_as_it_starts_and_names_the_children_it_killed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A stop said nothing until a tier's grace ran out: 35 s of silence a tier, and an operator
+    # pressed Ctrl-C again (review of 2026-12-07: a SIGSTOPped shim); the killed shim was an
+    # ERROR line among others, and `kvswitch up` then said "stopped" and exited 0.
+    cluster = LocalCluster(ClusterSpec())
+    names = ["sim-agg", "shim-agg-1", "shim-agg-2", "router-0"]  # in start order
+    cluster.children = [_child(tmp_path, name, ignores_sigterm=name == "shim-agg-2") for name in names]
+    procs = [c.proc for c in cluster.children]
+    try:
+        with caplog.at_level(logging.INFO, logger="kvswitch.cluster"):
+            killed = cluster.stop(grace_s=1.0, again="; a second signal kills everything now")
+        assert killed == ["shim-agg-2"]
+        assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+            ("INFO", "stopping 1 router (draining up to 1s, then killed; a second signal kills everything now)"),
+            ("INFO", "stopping 2 shims (draining up to 1s, then killed; a second signal kills everything now)"),
+            ("ERROR", "shim-agg-2 did not stop within 1s of SIGTERM: killed"),
+            ("INFO", "stopping 1 sim (draining up to 1s, then killed; a second signal kills everything now)"),
+        ]
+        assert [p.returncode for p in procs] == [-signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL, -signal.SIGTERM]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()

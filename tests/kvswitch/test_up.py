@@ -528,9 +528,49 @@ def test_a_second_sigterm_while_up_drains_leaves_nothing(tmp_path: Path) -> None
         _, err = proc.communicate(timeout=30)
         reading.join(30)
         assert proc.returncode == 130 and "second SIGTERM: exiting now" in err, err
+        # Each tier is said as its stop starts, and what the second signal does (review of 2026-12-07:
+        # 35 s of silence a tier, so an operator pressed Ctrl-C again without knowing what it would cut).
+        assert (
+            "INFO kvswitch.cluster: stopping 1 router (draining up to 35s, then killed; a second SIGTERM or Ctrl-C "
+            "kills everything now)\n" in err
+        ), err
+        killing = "kvswitch.cluster: killing 3 children, nats and etcd now: requests and streams in flight are cut\n"
+        assert killing in err, err
         assert list(tmp.iterdir()) == []
         time.sleep(0.3)
         assert not [p for p in everything if _alive(p)], "children left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_flag_checks_stops_up_and_leaves_no_secret_behind(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    # The checks write a CA and an nkey seed (--secure) into a directory of their own, before
+    # run_service handled signals: a SIGTERM then killed up outright (status -15), the directory
+    # left in TMPDIR; a Ctrl-C was a traceback (review of 2026-12-07).
+    argv = [sys.executable, "-m", "kvswitch", "up", "--secure", "--agg", "1", "--http-port", "0"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not any(p.name.startswith("kvswitch-up-check-") for p in tmp_path.iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the checks never made their directory"
+            time.sleep(0.002)
+        proc.send_signal(sig)
+        proc.send_signal(sig)  # a second one while the checks run changes nothing
+        out, err = proc.communicate(timeout=60)
+        assert (proc.returncode, out, err) == (
+            0,
+            "",
+            f"kvswitch up: {sig.name} during its checks: stopped before anything started\n",
+        )
+        assert list(tmp_path.iterdir()) == []
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -671,7 +671,10 @@ def test_new_faults_show_one_traceback_every_s_the_others_a_line_each() -> None:
 
 
 class _FakeCluster:
-    """Enough of LocalCluster for `run` with no workers: it starts, and `stop` is counted."""
+    """Enough of LocalCluster for `run` with no workers: it starts, and `stop` is counted; it says
+    it killed the children named in `killed`."""
+
+    killed: list[str] = []
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec, self.stops = spec, 0
@@ -691,8 +694,9 @@ class _FakeCluster:
     def next_restart(self) -> None:
         return None
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0, *, again: str = "") -> list[str]:
         self.stops += 1
+        return self.killed
 
 
 def test_up_stops_its_cluster_and_exits_1_naming_the_fault_when_supervision_keeps_failing(
@@ -710,3 +714,41 @@ def test_up_stops_its_cluster_and_exits_1_naming_the_fault_when_supervision_keep
         r"'a fault no restart foresaw': the cluster is no longer supervised, so it is stopped\n",
         err,
     ), err
+
+
+class _Signalling:
+    """A health log whose first round sends this process SIGTERM, as an operator stopping up would."""
+
+    def watch(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def probe(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("killed", "status", "said"),
+    [
+        ([], 0, "kvswitch up: stopped\n"),
+        (
+            ["shim-agg-1"],
+            1,
+            "kvswitch up: stopped, but killed 1 child that did not stop within 35s of SIGTERM (shim-agg-1): what they "
+            "served was cut; exit 1\n",
+        ),
+    ],
+    ids=["clean", "killed"],
+)
+def test_up_says_so_and_exits_1_when_its_stop_had_to_kill_a_child(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], killed: list[str], status: int, said: str
+) -> None:
+    # A shim that did not stop within 35 s of SIGTERM was an ERROR line among others; up then said
+    # "kvswitch up: stopped" and exited 0, as after a clean stop (review of 2026-12-07).
+    monkeypatch.setattr(kvswitch.up, "WATCH_S", 0.001)
+    monkeypatch.setattr(kvswitch.up, "LocalCluster", _FakeCluster)
+    monkeypatch.setattr(kvswitch.up, "_HealthLog", lambda cluster, said: _Signalling())
+    monkeypatch.setattr(_FakeCluster, "killed", killed)
+    assert kvswitch.up.run(_up_args(["--routers", "0"])) == status
+    assert _FakeCluster.made.stops == 1
+    err = capsys.readouterr().err
+    assert err.endswith(said), err
