@@ -29,7 +29,7 @@ import msgspec
 from bench.flag_numbers import check_non_negative, check_positive, positive_numbers
 from bench.overhead import add_overhead_parser, overhead_main
 from bench.replicas import add_replicas_parser, replicas_main
-from bench.sigterm import sigterm_unwinds
+from bench.stop_signals import signals_unwind
 from bench.summary import PrefixCounters, Slo, format_summary, results_clock, scrape_prefix_counters, summarize
 from bench.trace import TraceError, load_trace, shipped_trace
 from bench.virtual.delays import DEFAULT_DELAYS, Delays
@@ -733,7 +733,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    with sigterm_unwinds():
+    with signals_unwind(f"kvswitch bench {args.bench_command}"):
         return _run(args)
 
 

@@ -37,7 +37,7 @@ from bench.cli import check_out
 from bench.compare import CONFIGURATIONS, Configuration
 from bench.flag_numbers import check_positive
 from bench.process_pool import process_pool
-from bench.sigterm import sigterm_unwinds
+from bench.stop_signals import signals_unwind
 from bench.summary import Slo, Summary, summarize
 from bench.trace import TokenSynth, TraceError, load_trace, shipped_trace
 from bench.virtual.fleet import (
@@ -280,7 +280,7 @@ def _flat(settings: RouterSettings, name: str) -> object:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with sigterm_unwinds():  # a pool's workers outlived a plain SIGTERM
+        with signals_unwind("kvswitch plan"):  # a pool's workers outlived a plain SIGTERM
             return _plan(args)
     except (TraceError, ValueError, ConfigError, OSError) as exc:
         print(f"kvswitch plan: {exc}", file=sys.stderr)

@@ -1,13 +1,15 @@
 """A process pool for the virtual-clock measurements that stops at once when its `with` raises.
 
-`with ProcessPoolExecutor(...)` shuts down with wait=True: on SIGTERM (bench.sigterm raises
-SystemExit) or Ctrl-C it waited for every running measurement and started the queued ones, and
+`with ProcessPoolExecutor(...)` shuts down with wait=True: on SIGTERM or Ctrl-C (bench.stop_signals
+raises SystemExit) it waited for every running measurement and started the queued ones, and
 `kvswitch plan --jobs 2` took 31 s to exit. Here a raise cancels what has not started, SIGTERMs
 the workers and waits at most `STOP_S` for them all (then SIGKILLs the rest) before it goes on.
 
 The workers take SIGTERM's default action, death: a virtual-clock measurement is in-process and
-holds nothing to unwind, and bench.sigterm's SystemExit, inherited through fork, would be caught
-by the pool's worker loop, which then ran the next queued measurement with SIGTERM ignored.
+holds nothing to unwind, and bench.stop_signals' SystemExit, inherited through fork, would be caught
+by the pool's worker loop, which then ran the next queued measurement with SIGTERM ignored. They
+ignore SIGINT: a terminal's Ctrl-C reaches its whole process group, and the command, hearing it
+too, stops them as above (each worker's KeyboardInterrupt was a traceback of its own).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ __all__ = ["STOP_S", "process_pool"]
 STOP_S = 3.0  # how long stopped workers get to exit before they are SIGKILLed
 
 
-def _worker_dies_on_sigterm() -> None:
+def _worker_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
 def process_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
-    pool = ProcessPoolExecutor(workers, initializer=_worker_dies_on_sigterm)
+    pool = ProcessPoolExecutor(workers, initializer=_worker_signals)
     try:
         yield pool
     except BaseException:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,56 @@ def test_sigterm_stops_a_benchmarks_cluster_and_leaves_nothing(tmp_path: Path) -
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_ctrl_c_twice_stops_a_benchmark_without_a_traceback_and_leaves_nothing(tmp_path: Path) -> None:
+    # Ctrl-C while `make demo` measured came out of asyncio.run as some 45 lines of chained
+    # tracebacks, and a second one broke out of cluster.stop(): the cluster's, NATS's and etcd's
+    # directories stayed in $TMPDIR (review of 2026-12-07).
+    tmp, out = tmp_path / "tmp", tmp_path / "out"
+    tmp.mkdir()
+    argv = [sys.executable, "-m", "kvswitch", "bench", "compare", "--demo", "--configs", "round_robin", "--rates", "1"]
+    proc = subprocess.Popen(
+        [*argv, "--out-dir", str(out)], env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not _router_ready(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, "no router became ready within 90 s"
+            time.sleep(0.1)
+        time.sleep(0.5)  # measuring: in asyncio.run
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: its process group
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)  # stopping the cluster by now
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode == 128 + signal.SIGINT, err
+        said = [line for line in err.splitlines() if "Traceback" in line or "kvswitch" in line]
+        assert said == [
+            "kvswitch bench compare: SIGINT again: ignored until what it started has stopped (a local cluster drains "
+            "up to 35s a tier), so that nothing is left behind",
+            "kvswitch bench compare stopped early: nothing was measured",
+        ], err
+        assert sorted(p.name for p in tmp.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _router_ready(pid: int) -> bool:
+    """Whether a router child of `pid` answers /ready (its --http-port read from its command line)."""
+    pgrep = ["pgrep", "-f", "-P", str(pid), "kvswitch router"]
+    out = subprocess.run(pgrep, capture_output=True, text=True, check=False)
+    for child in out.stdout.split():
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+        port = int(argv[argv.index("--http-port") + 1])
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+    return False
 
 
 def _children_running(pid: int, command: str) -> bool:

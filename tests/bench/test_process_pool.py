@@ -74,12 +74,20 @@ COMMANDS = {
 }
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_sigterm_stops_the_command_and_its_workers_at_once(tmp_path: Path, command: str) -> None:
+@pytest.mark.parametrize(
+    ("command", "sig"),
+    [*((command, signal.SIGTERM) for command in COMMANDS), ("compare", signal.SIGINT)],
+    ids=[*COMMANDS, "compare-ctrl-c"],
+)
+def test_sigterm_or_ctrl_c_stops_the_command_and_its_workers_at_once(
+    tmp_path: Path, command: str, sig: signal.Signals
+) -> None:
     """Before, the pool's workers outlived a SIGTERMed plan (reparented to init, waiting for ever);
-    then the command waited for its running measurements and started a queued one (31 s for plan)."""
+    then the command waited for its running measurements and started a queued one (31 s for plan).
+    A Ctrl-C (SIGINT to the whole process group, workers included) was a traceback from the command
+    and one from each worker, until 2026-12-07."""
     argv = [sys.executable, "-m", "kvswitch", *(a.format(tmp=tmp_path) for a in COMMANDS[command])]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 60
@@ -89,8 +97,12 @@ def test_sigterm_stops_the_command_and_its_workers_at_once(tmp_path: Path, comma
             workers = [int(p) for p in out.stdout.split()]
             time.sleep(0.1)
         assert len(workers) >= 2, "the pool's workers never started"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(10) == 128 + signal.SIGTERM  # 0.5 s on a 2-core box; STOP_S if a worker hangs
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C
+        else:
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=10)  # 0.5 s on a 2-core box; STOP_S if a worker hangs
+        assert proc.returncode == 128 + sig and "Traceback" not in err, err
         left = [w for w in workers if Path(f"/proc/{w}").exists()]
         assert not left, f"pool workers {left} outlived {command}"
     finally:

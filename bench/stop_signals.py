@@ -1,0 +1,58 @@
+"""SIGTERM and Ctrl-C unwind a benchmark.
+
+By Python's default SIGTERM kills the process where it stands: a benchmark's `finally:
+cluster.stop()` never ran (NATS and etcd were SIGKILLed under draining shims, their directories
+left in $TMPDIR), and a process pool's workers were left behind, reparented to init, waiting on
+their queue for ever. Ctrl-C's KeyboardInterrupt came out of `asyncio.run` as some 45 lines of
+chained tracebacks (asyncio cancels its main task, then raises it), and a second Ctrl-C broke out
+of `cluster.stop()` in the `finally`, leaving the cluster's directories behind (review of
+2026-12-07). Either signal is raised as SystemExit (status 128 + the signal: 143, 130), and the
+`with` and `finally` blocks run. Another one meanwhile is said and ignored, so that the stopping
+runs to its end (each tier's grace bounds it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+from kvswitch.cluster import STOP_GRACE_S
+
+__all__ = ["STOP_SIGNALS", "signals_unwind"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def signals_unwind(what: str) -> Iterator[None]:
+    """SIGTERM and SIGINT raise SystemExit in the block (`what`: the command, for the line said)."""
+    if threading.current_thread() is not threading.main_thread():  # signals go to the main thread only
+        yield
+        return
+
+    def say(line: str) -> None:
+        # Not print(): a handler that runs while the main thread writes to stderr (a progress bar)
+        # would re-enter its buffer, a RuntimeError in the place of the SystemExit.
+        os.write(2, f"{what}: {line}\n".encode())
+
+    def again(signum: int, frame: FrameType | None) -> None:
+        say(
+            f"{signal.Signals(signum).name} again: ignored until what it started has stopped (a local cluster "
+            f"drains up to {STOP_GRACE_S:.0f}s a tier), so that nothing is left behind"
+        )
+
+    def first(signum: int, frame: FrameType | None) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, again)
+        raise SystemExit(128 + signum)  # said by the command as it stops (a progress bar may be on the line)
+
+    before = {sig: signal.signal(sig, first) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
