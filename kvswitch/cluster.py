@@ -647,8 +647,8 @@ class LocalCluster:
         """Stop the children tier by tier, the last started first (routers, then shims, then
         sims), each tier drained before the next is signalled: requests in flight finish on
         engines that are still up. A tier gets `grace_s` (the shim drains for 30 s at most), then
-        is killed. Then the servers go. Each tier is said as it starts (a stop can take minutes,
-        silent it looked hung), with `again`: what a second signal does, where the caller has one.
+        is killed. Then the servers go. Each tier is said as it starts (a stop can take minutes: a
+        silent one looked hung), with `again`: what a second signal does, where the caller has one.
         The names of the children that had to be killed."""
         with self._lock:  # a restart meanwhile: none after this, and the one before is stopped here
             self._stopping = True

@@ -817,9 +817,10 @@ def _stopped(killed: list[str]) -> str:
     """The line that ends a stop: whether a child had to be killed (its requests in flight cut)."""
     if not killed:
         return "kvswitch up: stopped"
+    one = len(killed) == 1
     return (
-        f"kvswitch up: stopped, but killed {len(killed)} {'child' if len(killed) == 1 else 'children'} that did not "
-        f"stop within {STOP_GRACE_S:.0f}s of SIGTERM ({', '.join(killed)}): what they served was cut; exit 1"
+        f"kvswitch up: stopped, but killed {len(killed)} {'child' if one else 'children'} that did not stop within "
+        f"{STOP_GRACE_S:.0f}s of SIGTERM ({', '.join(killed)}): what {'it' if one else 'they'} served was cut; exit 1"
     )
 
 

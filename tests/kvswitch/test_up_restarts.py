@@ -733,7 +733,7 @@ class _Signalling:
         (
             ["shim-agg-1"],
             1,
-            "kvswitch up: stopped, but killed 1 child that did not stop within 35s of SIGTERM (shim-agg-1): what they "
+            "kvswitch up: stopped, but killed 1 child that did not stop within 35s of SIGTERM (shim-agg-1): what it "
             "served was cut; exit 1\n",
         ),
     ],
