@@ -37,6 +37,7 @@ from protocol.config import (
 from protocol.errors import listen_error, setting_names, try_listen
 from protocol.kv_budget import KV_BATCH_BURST, KV_BATCHES_PER_S, KV_MIB_BURST, KV_MIB_PER_S
 from router.api_keys import ApiKeys, ApiKeysError
+from router.client_buffers import CLIENT_BUFFER_MIB, CLIENT_BUFFER_MIB_RANGE
 from router.content_format import CONTENT_FORMATS
 from router.kv_ingest import MIN_ENTRY_LIMIT
 from router.replica_sync import SYNC_SNAPSHOT_S, SYNC_SNAPSHOT_S_RANGE
@@ -148,6 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the MiB a worker's subject may carry at once above that rate (default {KV_MIB_BURST:g})",
     )  # fmt: skip
     parser.add_argument(
+        "--client-buffer-mib", type=int, default=None, metavar="MIB",
+        help=f"the most MiB this router holds for all its clients at once: streamed chunks not yet taken and "
+        f"whole answers being written; past it the client furthest behind is cut (default {CLIENT_BUFFER_MIB}; "
+        f"{CLIENT_BUFFER_MIB_RANGE[0]} to {CLIENT_BUFFER_MIB_RANGE[1]})",
+    )  # fmt: skip
+    parser.add_argument(
         "--sync-snapshot-s", type=float, default=None, metavar="S",
         help=f"how often this router sends its peers a snapshot of its live bookings, which heals a sync message "
         f"lost on the way within that (default {SYNC_SNAPSHOT_S:g}; {SYNC_SNAPSHOT_S_RANGE[0]:g} to "
@@ -197,6 +204,7 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     kv_budget_mib_per_s: float = KV_MIB_PER_S
     kv_budget_mib_burst: float = KV_MIB_BURST
     sync_snapshot_s: float = SYNC_SNAPSHOT_S  # router.replica_sync's snapshot period
+    client_buffer_mib: int = CLIENT_BUFFER_MIB  # router.client_buffers' budget
 
     @property
     def kv_budget(self) -> KvBudget:
@@ -236,6 +244,14 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
                 f"must be a number of seconds in [{least:g}, {most:g}] (default {SYNC_SNAPSHOT_S:g}): each snapshot "
                 "holds every live booking of this router and every peer reads it; at most half the 600 s after "
                 "which a peer drops a booking no snapshot named",
+            )
+        least, most = CLIENT_BUFFER_MIB_RANGE
+        if not least <= self.client_buffer_mib <= most:
+            raise ConfigError(
+                "client_buffer_mib",
+                self.client_buffer_mib,
+                f"must be a whole number of MiB in [{least}, {most}] (default {CLIENT_BUFFER_MIB}): the most held "
+                "for all clients at once; at least one stream's own limit (8 MiB)",
             )
         # The one check of --route-info as the flag, KVSWITCH_ROUTE_INFO or --config gives it
         # (argparse's `choices` saw the flag alone, and said it in words of its own).
@@ -386,6 +402,7 @@ def build_config(args: argparse.Namespace) -> Any:
         index_limit_per_worker=proc.index_limit_per_worker,
         kv_budget=proc.kv_budget,
         sync_snapshot_s=proc.sync_snapshot_s,
+        client_buffer_bytes=proc.client_buffer_mib << 20,
     )
 
 

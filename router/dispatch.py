@@ -53,7 +53,9 @@ the leg ends with a `final` chunk or an `error` one.
   most once per CANCEL_AGAIN_S per leg; its final chunk forgets it.
 - a client that reads a stream slower than its worker writes it: the chunks waiting for it are
   bounded (MAX_QUEUED_BYTES); past that the leg ends at once with a 408 `slow_reader` LegError, is
-  cancelled on its worker and its queue dropped, rather than the whole answer piling up here.
+  cancelled on its worker and its queue dropped, rather than the whole answer piling up here. So
+  is the stream furthest behind when all the replica's clients hold more than its budget
+  (router.client_buffers, --client-buffer-mib).
 - a leg whose request's deadline has passed is not sent: a 504 `deadline_passed` LegError, the
   client's "the request's deadline passed" (a stall of this router's loop). Until 2026-12-07 it
   went out with a negative budget, for its shim to answer 504 a round trip later. A leg that fails
@@ -85,7 +87,7 @@ import logging
 import math
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -107,6 +109,7 @@ from protocol import (
 )
 from protocol.config import RouterSettings
 from protocol.messages import ANNOTATION_BYPASS, BAD_TRANSFER_HANDLE, PREFILL_STOPPED, transfer_handle_bound
+from router.client_buffers import CLIENT_BUFFER_MIB, ClientBuffers
 from router.disagg import RoutePlan
 from router.eligibility import MALFORMED_COOLDOWN_S
 from router.fleet_lines import FleetLines, FleetLog
@@ -311,8 +314,11 @@ class Dispatcher:
         clock_offset: Callable[[str], float] = lambda worker: 0.0,
         awake_for: Callable[[], float] = lambda: math.inf,
         fleet_log: FleetLog | None = None,
+        client_buffer_bytes: int = CLIENT_BUFFER_MIB << 20,
     ) -> None:
         self._nc = nc
+        # streams' queues and whole answers being written, under one budget (--client-buffer-mib)
+        self.buffers = ClientBuffers(client_buffer_bytes, self._streams, self._over_budget)
         self._nats_lost_at: float | None = None  # time.monotonic() the connection last dropped
         self._nats_back_at: float | None = None  # ... and came back
         self.awake_for = awake_for  # seconds since this router's loop last stalled (runtime.loop_watch)
@@ -349,7 +355,7 @@ class Dispatcher:
         # remote prefills whose decode leg NATS could not carry with its handle, prefilled locally instead
         self.handle_fallbacks = 0
         self.resumes = 0
-        self.slow_readers = 0  # legs dropped because their client read too slowly (MAX_QUEUED_BYTES)
+        self.slow_readers = 0  # legs dropped because their client read too slowly (MAX_QUEUED_BYTES, self.buffers)
         self.malformed_replies: Counter[str] = Counter()  # by worker, while it is registered
         self.refusal_fallbacks = 0  # requests a prefill engine refused that the decode engine then served
         # requests a prefill worker's engine refused and a decode engine served, by prefill worker
@@ -484,17 +490,30 @@ class Dispatcher:
                 # An abort with no output and no `prefilled` before it may have prefilled nothing
                 # (SGLang's abort before prefill, the shim's answer to a cancel that came first)
                 leg.on_end(chunk.finish_reason != "abort" or leg.tokens_seen or leg.prefilled)
-        elif leg.queued > MAX_QUEUED_BYTES and leg.request.stream:  # a whole answer is read as it comes
-            await self._slow_reader(leg)
+        elif leg.request.stream:  # a whole answer is read as it comes
+            if leg.queued > MAX_QUEUED_BYTES:
+                await self._slow_reader(leg)
+            elif self.buffers.held > self.buffers.budget:
+                await self.buffers.make_room()
 
-    async def _slow_reader(self, leg: Leg) -> None:
-        """The leg's reader (a streaming client) fell MAX_QUEUED_BYTES behind its worker: the leg
-        ends now and is cancelled there, rather than its whole answer piling up in this replica."""
+    def _streams(self) -> Iterator[Leg]:
+        """The legs whose queues wait for a streaming client (ClientBuffers' to cut)."""
+        return (leg for leg in self._legs.values() if leg.request.stream)
+
+    async def _over_budget(self, leg: Leg) -> None:
+        await self._slow_reader(leg, over_budget=True)
+
+    async def _slow_reader(self, leg: Leg, *, over_budget: bool = False) -> None:
+        """The leg's reader (a streaming client) fell MAX_QUEUED_BYTES behind its worker, or furthest
+        behind of all when this replica's clients held more than its budget (router.client_buffers):
+        the leg ends now and is cancelled there, rather than its whole answer piling up here."""
         self._legs.pop(leg.token, None)  # its later chunks are dropped
         self.slow_readers += 1
-        why = (
-            f"the client read the stream too slowly: {leg.queued} bytes of it were waiting, over the "
-            f"router's limit of {MAX_QUEUED_BYTES}"
+        why = f"the client read the stream too slowly: {leg.queued} bytes of it were waiting, " + (
+            f"the most of any client's when the router's clients held more than its budget of "
+            f"{self.buffers.budget} bytes (--client-buffer-mib)"
+            if over_budget
+            else f"over the router's limit of {MAX_QUEUED_BYTES}"
         )
         leg.drop(LegError(leg.worker, 408, SLOW_READER, why, retryable=False, role=leg.role))
         log.info(

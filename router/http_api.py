@@ -33,10 +33,12 @@ disconnects cancels its request on the worker.
 
 A client that stops reading, its answer streamed or whole, holds its request no longer than its
 deadline: each write waits at most until then, and then the connection is aborted (counted 504).
-A whole answer is written in its handler, so it counts as answered only once its client took it.
-A streaming client that reads slower than its worker writes falls behind by at most
-router.dispatch.MAX_QUEUED_BYTES: then its leg is cancelled and the stream ends with a 408 error
-event.
+A whole answer is written in its handler, so it counts as answered only once its client took it,
+and its request as in flight until then. A streaming client that reads slower than its worker
+writes falls behind by at most router.dispatch.MAX_QUEUED_BYTES: then its leg is cancelled and the
+stream ends with a 408 error event. All clients together are held to one budget
+(router.client_buffers): past it, the stream furthest behind is cut alike, or the whole answer
+holding the most has its connection aborted (counted 408); an answer larger than it is a 503.
 
 Draining (`Drain`, on SIGTERM): the listener stays open while the requests in flight finish; a new
 request (anything but /health, /ready and /metrics) is a 503 with Retry-After and Connection:
@@ -80,6 +82,7 @@ from router.api_errors import (
     unsupported_media_type,
 )
 from router.api_keys import ApiKeys
+from router.client_buffers import HeldAnswer
 from router.dispatch import Job
 from router.expectations import ExpectRoutes, expectations, send_continue
 from router.leg import LegError
@@ -578,14 +581,15 @@ class _Handlers:
                 timing.planned = time.perf_counter()
                 shown = self._route_shown(request.headers.get("Authorization"))
                 try:
-                    if parsed.stream:
-                        resp, status, why = await self._stream(request, job, ids, timing, shown)
-                        sent = resp.status
-                        broke = bool(why)  # the client got an error event, or nothing more
-                    else:
-                        resp = await self._whole(job, ids, timing, shown)
-                        status, why = await self._write_whole(request, job, resp)
-                        sent, broke = resp.status, bool(why)  # its head went out before it failed
+                    with self.path.serving():  # until its answer is written, not only generated
+                        if parsed.stream:
+                            resp, status, why = await self._stream(request, job, ids, timing, shown)
+                            sent = resp.status
+                            broke = bool(why)  # the client got an error event, or nothing more
+                        else:
+                            resp = await self._whole(job, ids, timing, shown)
+                            status, why = await self._write_whole(request, job, resp)
+                            sent, broke = resp.status, bool(why)  # its head went out before it failed
                 finally:
                     self.path.release(job)  # a no-op once its stream ended
                     self.path.tracer.routed(span, job)
@@ -626,12 +630,26 @@ class _Handlers:
         """Write a whole answer (its Content-Length kept) in the handler, as a stream's last write
         is: the code it counts as and why it failed. Returned unwritten, aiohttp wrote it after the
         handler had counted it a 200, waiting for the client for ever: one that stopped reading held
-        its body (25 MB for 16k prompt_logprobs) past any deadline (client-fault audit)."""
+        its body (25 MB for 16k prompt_logprobs) past any deadline (client-fault audit). Its body is
+        held under the replica's budget for its clients until then (router.client_buffers): ended
+        over it, it is aborted, counted 408 as a stream cut for its slow reader is."""
+        buffers = self.path.dispatcher.buffers
+        size = resp.content_length or 0
+        if not buffers.fits(size):  # refused before its head goes out
+            buffers.cuts["answer"] += 1
+            raise ApiError(
+                503,
+                f"the answer is {size} bytes, more than the router holds for all its clients at once "
+                f"({buffers.budget} bytes, --client-buffer-mib)",
+            )
+        held: HeldAnswer | None = None
         try:
+            held = await buffers.hold(size)
             await resp.prepare(request)
             # Always under a timer, not _sent's: web.Response holds its head until write_eof, so a
             # body just under the high-water mark passed _sent's no-timer test and waited for ever.
-            async with asyncio.timeout(job.deadline - time.monotonic()):
+            async with asyncio.timeout(job.deadline - time.monotonic()) as timer:
+                held.watch(timer)
                 await resp.write_eof()
             return 200, ""
         except TimeoutError:
@@ -642,6 +660,11 @@ class _Handlers:
             # Its head went out: no 503 can follow it, and a body cut short says less than none.
             _abort(request)
             return 503, SHUT_DOWN
+        finally:
+            if held is not None:
+                buffers.release(held)
+        if held is not None and held.ended:
+            return 408, _abort_over_budget(request, job, held.size, buffers.budget)
         return 504, _abort_unread(request, job, "answer")
 
     async def _stream(
@@ -768,6 +791,19 @@ def _abort_unread(request: web.Request, job: Job, what: str) -> str:
         extra={"request_id": rid},
     )
     return f"the client stopped reading its {what} until the request's deadline: its connection was aborted"
+
+
+def _abort_over_budget(request: web.Request, job: Job, size: int, budget: int) -> str:
+    """A whole answer ended while it was written, as the replica's clients held more than its budget
+    (router.client_buffers): its connection is aborted; why, for its span."""
+    _abort(request)
+    rid = job.request.request_id
+    why = (
+        f"the client had not taken its answer's {size} bytes, the most of any client's when the router's clients "
+        f"held more than its budget of {budget} bytes (--client-buffer-mib): its connection was aborted"
+    )
+    log.info("request %s: %s", rid, why, extra={"request_id": rid})
+    return why
 
 
 # --- errors before a handler runs ---------------------------------------------------------------

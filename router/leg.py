@@ -23,6 +23,7 @@ import msgspec
 from opentelemetry.trace import Span
 
 from protocol import GenerateRequest, ResponseChunk
+from router.client_buffers import ClientBuffers
 from router.tracing import RequestTracer
 
 __all__ = [
@@ -147,6 +148,8 @@ class LegOwner(Protocol):
     def is_connected(self) -> bool: ...
     async def connected(self) -> bool: ...
     def back_within(self, window_s: float, since: float | None = None) -> bool: ...
+    @property
+    def buffers(self) -> ClientBuffers: ...  # the replica's bytes held for clients: a stream's queue counts
     async def send(self, leg: Leg, request: GenerateRequest) -> None: ...  # to the leg's worker, replies to it
     async def closed(self, leg: Leg) -> None: ...  # its reader left: forget it, cancel it unless done
 
@@ -184,6 +187,9 @@ class Leg:
         self.resumed_at = 0.0  # time.monotonic() of the last ask
         self._items: deque[tuple[ResponseChunk | LegError, int]] = deque()  # with its size on the wire
         self.queued = 0  # bytes waiting in _items
+        # A stream's queue is held for its client, under the replica's budget (router.client_buffers);
+        # a whole answer's leg is read as it comes
+        self._buffers = owner.buffers if request.stream else None
         self._waiter: asyncio.Future[None] | None = None
         self.next_seq = 0
         self.done = False
@@ -199,14 +205,15 @@ class Leg:
         self.heard_at = time.monotonic()
         self._items.append((item, size))
         self.queued += size
+        if self._buffers is not None:
+            self._buffers.held += size
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     def drop(self, error: LegError) -> None:
         """End the leg with `error` at the reader's next read, dropping the chunks it has not read."""
-        self._items.clear()
-        self.queued = 0
+        self._forget_queued()
         self.done = True  # cancelled by whoever dropped it
         self.push(error)
         self.on_end(self.tokens_seen)
@@ -220,7 +227,14 @@ class Leg:
         if e is not None and not (self.done and isinstance(e, GeneratorExit)):  # a reader done with it
             RequestTracer.failed(self.span, str(e) or type(e).__name__)
         self.span.end()
+        self._forget_queued()  # no reader is left for them
         await self.owner.closed(self)
+
+    def _forget_queued(self) -> None:
+        self._items.clear()
+        if self._buffers is not None:
+            self._buffers.held -= self.queued
+        self.queued = 0
 
     async def _wait(self, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -277,6 +291,8 @@ class Leg:
                     )
             item, size = self._items.popleft()
             self.queued -= size
+            if self._buffers is not None:
+                self._buffers.held -= size
             if isinstance(item, LegError):
                 raise item
             if item.seq < self.next_seq:

@@ -53,6 +53,9 @@ class StateFigures:
     transfer_fallbacks: int = 0
     handle_fallbacks: int = 0
     slow_readers: int = 0
+    client_buffered: int = 0  # router.client_buffers: bytes held for clients now
+    client_buffer_budget: int = 0
+    client_buffer_cuts: Mapping[str, int] = field(default_factory=dict)  # ... holders ended over it, by what
     cancels_again: int = 0
     malformed_replies: Mapping[str, int] = field(default_factory=dict)  # by worker, registered ones only
     refusals_overruled: Mapping[str, int] = field(default_factory=dict)  # by prefill worker, registered ones only
@@ -124,9 +127,31 @@ class _StateCollector(Collector):
         yield fallbacks
         yield CounterMetricFamily(
             "kvswitch_router_slow_readers",
-            "Streams cut because their client read too slowly: their queued chunks passed the router's limit",
+            "Streams cut because their client read too slowly: their queued chunks passed the router's limit, or "
+            "were the most of any stream's when its clients held more than its budget",
             s.slow_readers,
         )
+        yield GaugeMetricFamily(
+            "kvswitch_router_client_buffered_bytes",
+            "Bytes held for clients: streamed chunks they have not taken yet and whole answers being written to "
+            "them, under the budget kvswitch_router_client_buffer_budget_bytes (--client-buffer-mib)",
+            s.client_buffered,
+        )
+        yield GaugeMetricFamily(
+            "kvswitch_router_client_buffer_budget_bytes",
+            "The most bytes held for clients at once (--client-buffer-mib)",
+            s.client_buffer_budget,
+        )
+        cuts = CounterMetricFamily(
+            "kvswitch_router_client_buffer_cuts",
+            "Held for clients past the budget: streams cut furthest behind (stream; counted in "
+            "kvswitch_router_slow_readers_total too) and whole answers ended while written or refused as larger "
+            "than the budget (answer)",
+            labels=["what"],
+        )
+        for what in ("answer", "stream"):
+            cuts.add_metric([what], s.client_buffer_cuts.get(what, 0))
+        yield cuts
         yield CounterMetricFamily(
             "kvswitch_router_cancels_again",
             "Cancels sent again because a cancelled leg's chunks still came (the first lost: an engine kept "
@@ -250,7 +275,11 @@ class _StateCollector(Collector):
         )
         yield from _ingest_counters(s.ingest)
         yield GaugeMetricFamily("kvswitch_router_queue_depth", "Requests waiting for admission", s.queue_depth)
-        yield GaugeMetricFamily("kvswitch_router_inflight_requests", "Requests being served", s.inflight)
+        yield GaugeMetricFamily(
+            "kvswitch_router_inflight_requests",
+            "Requests being served: admitted, their answers not yet written to their clients",
+            s.inflight,
+        )
         yield GaugeMetricFamily("kvswitch_router_workers", "Registered workers", s.workers)
         yield GaugeMetricFamily(
             "kvswitch_router_workers_other_version",

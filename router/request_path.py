@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +76,7 @@ class RequestPath:
     # when a worker serving a name (model, alias, adapter) last left (time.monotonic; None: none did)
     left_at: Callable[[str], float | None] = lambda _name: None
     request_timeout_s: float = 600.0
-    inflight: int = 0
+    inflight: int = 0  # requests admitted whose answers are not written yet (serving)
     calls: int = 0  # utility calls so far: the next one starts at the next worker
     clock: Callable[[], float] = time.monotonic
     # names requests resolved, with when and their model (oldest first); whether any request found a worker
@@ -283,7 +283,6 @@ class RequestPath:
         metrics = self.metrics
         start = time.perf_counter()
         last: float | None = None
-        self.inflight += 1
         streamed = job.request.stream  # a whole answer has no first token to time
         try:
             # Closed here, not when collected: a client that leaves frees the attempt's booking
@@ -303,8 +302,18 @@ class RequestPath:
                         last = now
                     yield chunk
         finally:
-            self.inflight -= 1
             self.release(job)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """A request counted in `inflight` while its handler serves it, from its admission until its
+        answer is written: until 2026-12-07 it was counted until its worker's stream ended, and
+        answers still held for clients slow to take them read as none in flight."""
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
 
 
 def refused_records(ns: str, refused: Sequence[tuple[str, str]], shown: int = 5) -> str:

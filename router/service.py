@@ -55,6 +55,7 @@ from router.admission import Admission
 from router.api_keys import ApiKeys
 from router.block_index import BlockIndex
 from router.calibration import Calibration, unusable_profiles
+from router.client_buffers import CLIENT_BUFFER_MIB
 from router.clock_skew import ClockSkew, Skew, SkewNews, Verdict
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
@@ -200,6 +201,7 @@ class RouterConfig:
     index_limit_per_worker: int = MIN_ENTRY_LIMIT  # KV index entries any worker may have (kv_ingest's floor)
     kv_budget: KvBudget = field(default_factory=KvBudget)  # each KV event sender's (router.sender_budget)
     sync_snapshot_s: float = SYNC_SNAPSHOT_S  # how often peers get a snapshot of our bookings (router.replica_sync)
+    client_buffer_bytes: int = CLIENT_BUFFER_MIB << 20  # the most held for clients at once (router.client_buffers)
 
 
 class RouterService:
@@ -510,6 +512,7 @@ class RouterService:
             clock_offset=self.clocks.offset,
             awake_for=self.loop_watch.awake_for,
             fleet_log=self.fleet_log,
+            client_buffer_bytes=self.config.client_buffer_bytes,
         )
         await self._dispatcher.start()
         admission = Admission(
@@ -1408,6 +1411,9 @@ class RouterService:
             transfer_fallbacks=self._dispatcher.transfer_fallbacks if self._dispatcher is not None else 0,
             handle_fallbacks=self._dispatcher.handle_fallbacks if self._dispatcher is not None else 0,
             slow_readers=self._dispatcher.slow_readers if self._dispatcher is not None else 0,
+            client_buffered=self._dispatcher.buffers.held if self._dispatcher is not None else 0,
+            client_buffer_budget=self.config.client_buffer_bytes,
+            client_buffer_cuts=dict(self._dispatcher.buffers.cuts) if self._dispatcher is not None else {},
             cancels_again=self._dispatcher.cancels_again if self._dispatcher is not None else 0,
             malformed_replies=dict(self._dispatcher.malformed_replies) if self._dispatcher is not None else {},
             refusals_overruled=dict(self._dispatcher.refusals_overruled) if self._dispatcher is not None else {},

@@ -222,3 +222,22 @@ def test_a_request_timeout_no_workers_reply_leave_can_outlive_is_refused() -> No
             cli.build_config(_args("--request-timeout", str(too_long)))
         assert err.value.setting == "request_timeout", err.value
         assert f"< {MAX_RESPONSE_TTL_S} (a day: kvswitch secrets --response-ttl" in str(err.value), err.value
+
+
+@pytest.mark.parametrize("value", ["7", "0", "-1", "1048577"])
+@pytest.mark.parametrize("given", ["flag", "env"])
+def test_a_client_buffer_outside_its_range_is_refused_naming_the_flag_and_range(
+    value: str, given: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if given == "env":
+        monkeypatch.setenv("KVSWITCH_CLIENT_BUFFER_MIB", value)
+    with pytest.raises(ConfigError) as err:
+        cli.build_config(_args(*(["--client-buffer-mib", value] if given == "flag" else [])))
+    assert "--client-buffer-mib" in str(err.value) and "[8, 1048576]" in str(err.value), err.value
+
+
+def test_the_client_buffer_reaches_the_router_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cli.build_config(_args()).client_buffer_bytes == 512 << 20
+    assert cli.build_config(_args("--client-buffer-mib", "64")).client_buffer_bytes == 64 << 20
+    monkeypatch.setenv("KVSWITCH_CLIENT_BUFFER_MIB", "32")
+    assert cli.build_config(_args()).client_buffer_bytes == 32 << 20

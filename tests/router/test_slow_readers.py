@@ -305,6 +305,7 @@ async def test_a_whole_answer_just_under_the_high_water_mark_keeps_its_deadline(
 
     from aiohttp import web
 
+    from router.client_buffers import ClientBuffers
     from router.http_api import _Handlers
 
     result: dict[str, tuple[int, str]] = {}
@@ -317,7 +318,11 @@ async def test_a_whole_answer_just_under_the_high_water_mark_keeps_its_deadline(
         _, high = request.transport.get_write_buffer_limits()  # type: ignore[union-attr]
         resp = web.Response(body=b"y" * (high - 300), headers={"x-pad": "p" * 300})
         job = SimpleNamespace(deadline=time.monotonic() + 0.5, request=SimpleNamespace(request_id="r1"))
-        this = SimpleNamespace(drain=SimpleNamespace(ended=lambda: False))
+        buffers = ClientBuffers(1 << 30, tuple, lambda leg: asyncio.sleep(0))
+        this = SimpleNamespace(
+            drain=SimpleNamespace(ended=lambda: False),
+            path=SimpleNamespace(dispatcher=SimpleNamespace(buffers=buffers)),
+        )
         result["r"] = await asyncio.wait_for(_Handlers._write_whole(this, request, job, resp), 5)  # type: ignore[arg-type]
         return resp
 
