@@ -215,7 +215,9 @@ class RouterService:
         self.fleet_log = FleetLog()  # its parts' per-worker lines, said as it stops (router.fleet_lines)
         # the first days' fingerprints now, as the router is built (router.fingerprint_days)
         self.fingerprint_days = FingerprintDays(functools.partial(fingerprints_on, self.tokenizer))
-        self.fingerprints = FingerprintWatch(self.fingerprint_days, fleet_log=self.fleet_log)
+        self.fingerprints = FingerprintWatch(
+            self.fingerprint_days, fleet_log=self.fleet_log, caveat=self.tokenizer.caveat
+        )
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
         self.debug_keys = ApiKeys(config.debug_api_keys_file) if config.debug_api_keys_file else None
         self.status = RouterStatus.NEW

@@ -1,13 +1,16 @@
 """A Hugging Face tokenizer's special tokens, read from its files as transformers 5 reads them
-(vLLM loads a tokenizer through its AutoTokenizer; this is TokenizersBackend's reading, which its
-model-specific subclasses share; matched against transformers 5.24.0 and 5.19.0, vLLM 0.32
-requiring >=5.16.1,<5.20.0): the spellings a chat template sees, and the tokens transformers adds
-to tokenizer.json's at load.
+(vLLM loads a tokenizer through its AutoTokenizer; matched against transformers 5.24.0 and 5.19.0,
+vLLM 0.32 requiring >=5.16.1,<5.20.0): the spellings a chat template sees, and the tokens
+transformers adds at load. This reading of the files is `from_pretrained`'s and TokenizersBackend's,
+which every tokenizer class shares; the tokenizer they are added to need not be tokenizer.json's as
+saved: a class with an `__init__` of its own rebuilds it from the vocabulary with its own pipeline,
+with no added tokens, and its own defaults for the special tokens the config does not name
+(router.tokenizer_class: LlamaTokenizer's differs from the files that name it).
 
 What transformers adds, in this order, with the flags each has: every `added_tokens_decoder` entry
 of tokenizer_config.json, by id; then each named special token (bos, eos, unk, sep, pad, cls,
 mask, then a model's own `*_token` ones such as `image_token`) and each `extra_special_tokens`
-(formerly `additional_special_tokens`) entry that tokenizer.json does not already have as an added
+(formerly `additional_special_tokens`) entry that the tokenizer does not already have as an added
 token. A spelling given as a plain string is added as special; a named one is made special. The
 backend's `add_tokens` then gives each new spelling the next id past the vocabulary (never the id
 the config wrote), makes a spelling the vocabulary already has an added token at its own id, and
@@ -18,7 +21,9 @@ written by the template after every turn too.
 Where there is no `added_tokens_decoder` (the legacy layout) special_tokens_map.json is merged over
 the config, and added_tokens.json and tokenizer.json's own added tokens stand in for the decoder.
 An entry transformers refuses (a decoder entry that is no AddedToken's fields, a special token
-that is neither a string nor an AddedToken) is a SpecialTokensError: vLLM would not start either.
+that is neither a string nor an AddedToken, a special_tokens_map.json or added_tokens.json that is
+not an object, an added_tokens.json id that is not a number) is a SpecialTokensError: vLLM would
+not start either.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 
 from tokenizers import AddedToken
 
-__all__ = ["NAMED", "SpecialTokens", "SpecialTokensError", "read_special_tokens"]
+__all__ = ["SpecialTokens", "SpecialTokensError", "read_special_tokens"]
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -86,10 +91,10 @@ def _token(value: Any, where: str) -> str | AddedToken:
     return value
 
 
-def _decoder(entries: Any, where: str) -> dict[int, AddedToken]:
+def _decoder(entries: Any, where: str) -> dict[float, AddedToken]:
     if not isinstance(entries, Mapping):
         raise SpecialTokensError(where, "not an object of id: AddedToken; transformers refuses it too")
-    decoder = {}
+    decoder: dict[float, AddedToken] = {}
     for key, fields in entries.items():
         at = f"{where}[{key!r}]"
         if not isinstance(fields, Mapping):
@@ -102,14 +107,25 @@ def _decoder(entries: Any, where: str) -> dict[int, AddedToken]:
     return decoder
 
 
-def read_special_tokens(folder: Path, config: Mapping[str, Any], added: Mapping[int, AddedToken]) -> SpecialTokens:
+def read_special_tokens(
+    folder: Path,
+    config: Mapping[str, Any],
+    added: Mapping[int, AddedToken],
+    defaults: Mapping[str, str] | None = None,
+    rebuilt: bool = False,
+) -> SpecialTokens:
     """The special tokens of the tokenizer in `folder`, whose tokenizer_config.json is `config` and
     whose tokenizer.json has the added tokens `added` (id: AddedToken), as transformers reads them
-    (`from_pretrained`, then the tokenizer's `__init__`), step for step."""
+    (`from_pretrained`, then the tokenizer's `__init__`), step for step. `defaults`: the tokenizer
+    class's own, for a named token the files do not mention (not one they set to null); `rebuilt`:
+    the class rebuilt the tokenizer from the vocabulary, so it has none of `added` as added tokens
+    (router.tokenizer_class)."""
     read = _Read(folder, config, added)
+    for key, value in (defaults or {}).items():
+        read.kwargs.setdefault(key, value)
     named, extras = read.special_tokens()
     spellings = {k: str(v) for k, v in named.items() if v is not None}
-    return SpecialTokens(spellings, _to_add(read.decoder, named, extras, added))
+    return SpecialTokens(spellings, _to_add(read.decoder, named, extras, {} if rebuilt else added))
 
 
 class _Read:
@@ -153,7 +169,9 @@ class _Read:
         """special_tokens_map.json over the config, as the legacy layout has it; a dict
         `extra_special_tokens` is returned, as a model's own tokens."""
         mapping = _read(path) if path.is_file() else {}
-        for key, value in mapping.items() if isinstance(mapping, Mapping) else ():
+        if not isinstance(mapping, Mapping):
+            raise SpecialTokensError(str(path), "not an object of name: token; transformers refuses it too")
+        for key, value in mapping.items():
             at = f"{path}: {key}"
             if isinstance(value, Mapping) and key != "extra_special_tokens":
                 fields = {k: v for k, v in value.items() if k != "special"}
@@ -201,13 +219,21 @@ def _own(key: str) -> bool:
     return key.endswith("_token") and key not in NAMED
 
 
-def _legacy_decoder(path: Path, kwargs: Mapping[str, Any]) -> dict[int, AddedToken]:
-    """added_tokens.json's tokens (id: token), special where a special token names them."""
+def _legacy_decoder(path: Path, kwargs: Mapping[str, Any]) -> dict[float, AddedToken]:
+    """added_tokens.json's tokens (id: token), special where a special token names them. An id
+    may be any JSON number (transformers orders them; each token gets the next id past the
+    vocabulary whatever its id, and 9.0 is the same key as 9)."""
     if not path.is_file():
         return {}
     encoder = _read(path)
-    if not isinstance(encoder, Mapping) or not all(isinstance(i, int) for i in encoder.values()):
-        raise SpecialTokensError(str(path), "not an object of token: integer id")
+    if not isinstance(encoder, Mapping):
+        raise SpecialTokensError(str(path), "not an object of token: id; transformers refuses it too")
+    for token, index in encoder.items():
+        if not isinstance(index, (int, float)):
+            raise SpecialTokensError(
+                f"{path}: {token}",
+                f"the id {index!r} is not a number (transformers fails ordering it among tokenizer.json's ids)",
+            )
     special = {str(kwargs[k]) for k in NAMED if kwargs.get(k)} | {
         str(t) for t in kwargs.get("extra_special_tokens") or []
     }
@@ -215,7 +241,7 @@ def _legacy_decoder(path: Path, kwargs: Mapping[str, Any]) -> dict[int, AddedTok
 
 
 def _to_add(
-    decoder: Mapping[int, AddedToken],
+    decoder: Mapping[float, AddedToken],
     named: Mapping[str, str | AddedToken | None],
     extras: list[str | AddedToken],
     added: Mapping[int, AddedToken],

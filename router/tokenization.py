@@ -9,7 +9,9 @@ else `tokenizer_config.json`'s `chat_template`, else `chat_template.json`); of n
 rendered with jinja2 in a sandbox the way
 transformers renders it (its `tojson`, `raise_exception`, `strftime_now`, the `generation` tag,
 `continue_final_message`). The special tokens the tokenizer's config names and tokenizer.json lacks
-are added at load, as transformers adds them (router.special_tokens). Without `--tokenizer` the
+are added at load, as transformers adds them (router.special_tokens); a config naming a Llama class
+gets LlamaTokenizer's own pipeline over tokenizer.json's vocabulary where transformers builds that
+class, and a WARNING where it builds one the router cannot (router.tokenizer_class). Without `--tokenizer` the
 router has the built-in tokenizer, which only engine_sim speaks.
 
 Whether the router's tokenizer is a worker's is decided by fingerprints (protocol.fingerprint):
@@ -62,6 +64,7 @@ from router.eligibility import NAMED_AT_MOST, few_ids
 from router.fingerprint_days import FingerprintDays
 from router.fleet_lines import FleetLines, FleetLog, LastSaid
 from router.special_tokens import SpecialTokensError, read_special_tokens
+from router.tokenizer_class import AS_IS, LLAMA, LLAMA_DEFAULTS, TokenizerClassError, class_for, rebuild_as_llama
 
 __all__ = [
     "OFFLOAD_CHARS",
@@ -122,6 +125,8 @@ class ChatOptions:
 
 class PromptTokenizer(Protocol):
     name: str
+    # why its ids may differ from the engine's, where it knows (FingerprintWatch says it); else None
+    caveat: str | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def encode_chat(self, messages: Messages, options: ChatOptions = ...) -> list[int]: ...
@@ -135,6 +140,7 @@ class BuiltinPromptTokenizer:
     template is ChatML (`continue_final_message` leaves the last message open, as the sim does)."""
 
     name = BuiltinTokenizer.name
+    caveat: str | None = None
 
     def __init__(self) -> None:
         self._tok = BuiltinTokenizer()
@@ -230,18 +236,47 @@ class HfPromptTokenizer:
             self._tok = HfRawTokenizer.from_file(str(file))
         except Exception as exc:  # the Rust side raises plain Exception for a bad file
             raise TokenizerError(str(file), f"not a tokenizers JSON: {exc}") from exc
+        added = self._tok.get_added_tokens_decoder()  # tokenizer.json's, which a rebuilt one has not
+        folder = file.parent
+        config = _read_json(folder / "tokenizer_config.json")
+        self.caveat: str | None = None
+        try:
+            built = class_for(str(path), config, folder)
+            if built == LLAMA:
+                # transformers 5 builds LlamaTokenizer from the vocabulary with its own pipeline
+                self._tok = rebuild_as_llama(file, self._tok, config)
+        except TokenizerClassError as exc:
+            raise TokenizerError(exc.what, exc.why) from exc
+        rebuilt = built == LLAMA
+        if rebuilt:
+            log.info(
+                "%s names %s: its tokenizer is built from %s's vocabulary and merges with LlamaTokenizer's own "
+                "pipeline, as transformers 5 (so vLLM) builds it (router.tokenizer_class)",
+                folder / "tokenizer_config.json",
+                config["tokenizer_class"],
+                file,
+            )
+        elif built != AS_IS:
+            self.caveat = (
+                f"{folder / 'tokenizer_config.json'} names {config['tokenizer_class']} and {folder / 'config.json'} "
+                f"the model type of {built}, which transformers 5 (so vLLM) builds in its place from {file}'s "
+                "vocabulary with that class's own pipeline, where this router takes the file's as saved; ids may "
+                "differ. Where they do, every worker serving this tokenizer is refused text prompts by fingerprint "
+                "(token-id prompts still route), and no other --tokenizer mends it: save the tokenizer as the "
+                f"engine loads it (transformers' AutoTokenizer.from_pretrained, then save_pretrained) and give the "
+                "router that"
+            )
+            log.warning("%s", self.caveat)
         # The file's `truncation` and `padding` sections (save_pretrained writes them after a call
         # that truncated or padded) would cut or pad every prompt; transformers, so vLLM, turns
         # both off for a plain encode.
         self._tok.no_truncation()
         self._tok.no_padding()
         self.name = str(path)
-        folder = file.parent
-        config = _read_json(folder / "tokenizer_config.json")
         # transformers' flag: special tokens' spellings in a text are encoded as plain text
         self._tok.encode_special_tokens = config.get("split_special_tokens") is True
         try:
-            specials = read_special_tokens(folder, config, self._tok.get_added_tokens_decoder())
+            specials = read_special_tokens(folder, config, added, LLAMA_DEFAULTS if rebuilt else None, rebuilt)
         except SpecialTokensError as exc:
             raise TokenizerError(exc.what, exc.why) from exc
         # transformers adds the special tokens the config names and tokenizer.json lacks (vLLM's ids
@@ -454,7 +489,9 @@ def resolve_tokenizer_path(spec: str | Path) -> Path:
         str(spec),
         "not a file, a directory or a model in the local Hugging Face cache (looked in "
         + ", ".join(looked)
-        + "): download it first, e.g. `huggingface-cli download MODEL tokenizer.json tokenizer_config.json`",
+        + "): download it first with every file beside tokenizer.json that decides its ids or chat template "
+        + "(tokenizer_config.json, special_tokens_map.json, added_tokens.json, config.json, chat_template.jinja or "
+        + ".json, additional_chat_templates/): `hf download MODEL --include '*.json' --include '*.jinja'`",
     )
 
 
@@ -632,15 +669,22 @@ class FingerprintWatch:
     mismatch is not said again."""
 
     def __init__(
-        self, mine: str | FingerprintDays, legacy: str | None = None, fleet_log: FleetLog | None = None
+        self,
+        mine: str | FingerprintDays,
+        legacy: str | None = None,
+        fleet_log: FleetLog | None = None,
+        caveat: str | None = None,
     ) -> None:
         """`mine`: this router's tokenizer's fingerprints by day (router.fingerprint_days), or its one
         fingerprint. `legacy`, with one: its fingerprint under the old probes (`Fingerprints.legacy`); a
         worker that advertises it is refused still, as a shim to upgrade. `fleet_log`: its router's
-        (router.fleet_lines)."""
+        (router.fleet_lines). `caveat`: why this router's tokenizer cannot be the engine's
+        (`HfPromptTokenizer.caveat`), said to a mismatched worker in place of advice no
+        --tokenizer can follow."""
         self.days = mine if isinstance(mine, FingerprintDays) else FingerprintDays.fixed(mine, legacy)
         self.mine = self.days.current
         self.legacy = self.days.legacy
+        self.caveat = caveat
         self._mismatched: dict[str, str] = {}  # worker -> why
         self._said = LastSaid()
         self._lines = FleetLines(
@@ -686,7 +730,7 @@ class FingerprintWatch:
                 f"its engine's tokenizer is {theirs} and this router has only the built-in one (engine_sim's): "
                 f"start the router with --tokenizer naming {info.model}'s tokenizer (token-id prompts still route)"
             )
-        other = (
+        other = self.caveat or (
             f"give the router the tokenizer {info.model} is served with, and the engine's "
             f"--default-chat-template-kwargs if it has any, or, when this router's other models need its tokenizer, "
             f"run {info.model} a router of its own (--model {info.model} --tokenizer ...; token-id prompts still route)"

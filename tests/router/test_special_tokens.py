@@ -115,6 +115,9 @@ def test_the_special_tokens_transformers_adds_are_added_in_its_order_with_its_fl
          "special_tokens_map.json: additional_special_tokens[0]"),
         ({}, {"special_tokens_map": {"extra_special_tokens": [_added("<a>")]}},
          "special_tokens_map.json: extra_special_tokens[0]"),
+        # a list where transformers reads an object (until 2026-12-07 the router took it silently)
+        ({}, {"special_tokens_map": ["<P>"]}, "special_tokens_map.json"),
+        ({}, {"added_tokens": ["<q>"]}, "added_tokens.json"),
     ],
 )  # fmt: skip
 def test_an_entry_transformers_refuses_is_a_load_error_naming_it(
@@ -124,6 +127,21 @@ def test_an_entry_transformers_refuses_is_a_load_error_naming_it(
     with pytest.raises(TokenizerError, match="transformers refuses it too") as err:
         load_tokenizer(folder)
     assert f"{tmp_path}/{where}" == f"{err.value.what}", err.value
+
+
+def test_an_added_tokens_json_id_transformers_loads_the_router_loads(tmp_path: Path) -> None:
+    # transformers 5.19.0 takes any JSON number as an id (it only orders them), and gives the token
+    # the next id past the vocabulary; until 2026-12-07 the router refused 9.0
+    folder = _folder(tmp_path, {"bos_token": "<s>"}, added_tokens={"<q>": 9.0})
+    assert load_tokenizer(folder).encode("hello <q> world", add_special_tokens=False) == [3, 8, 4]
+
+
+def test_an_added_tokens_json_id_that_is_no_number_is_a_load_error_naming_its_token(tmp_path: Path) -> None:
+    # transformers 5.19.0 fails ordering "9" among tokenizer.json's ids (a TypeError)
+    folder = _folder(tmp_path, {"bos_token": "<s>"}, added_tokens={"<q>": "9"})
+    with pytest.raises(TokenizerError, match="not a number") as err:
+        load_tokenizer(folder)
+    assert err.value.what == f"{tmp_path}/added_tokens.json: <q>"
 
 
 def test_a_malformed_added_tokens_decoder_stops_the_router_naming_the_flag(tmp_path: Path) -> None:
