@@ -28,17 +28,26 @@
    (a request served), and booking and withdrawing them (an attempt that failed before its
    prefill); timeit, the best of 9 runs of 2,000.
 
+6. Replica snapshots (router.replica_sync, docs/router.md "Lost releases"): `--routers` replicas
+   each with `--bookings` live bookings on 16 workers; what one replica's snapshot costs its sender
+   to take and encode, and a peer to read, each part (the loop's longest hold) and whole, every
+   booking held as stated (the steady case); and a request's book + prefill_done + free in a load
+   view holding them all (the hot path beside them). In-process, through ReplicaSync's own
+   `_snapshot` and `_on_payload`, no NATS; medians of 9 (a part's, of every part of 7 reads).
+
     .venv/bin/python -m bench.bench_router decision
     .venv/bin/python -m bench.bench_router overhead --rates 50,200,500 --seconds 5
     .venv/bin/python -m bench.bench_router registrations --sizes 250,500,1000
     .venv/bin/python -m bench.bench_router prefill-room --prefill 16 --isl 128000
     .venv/bin/python -m bench.bench_router pending --blocks 256
+    .venv/bin/python -m bench.bench_router snapshots --routers 2,4,8 --bookings 5000
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -61,6 +70,7 @@ from router.calibration import Calibration
 from router.load_view import LoadView
 from router.pending_prefixes import PendingPrefixes
 from router.planner import standalone_planner
+from router.replica_sync import ReplicaSync
 from router.request_parsing import parse_request
 from router.tokenization import BuiltinPromptTokenizer
 from router.worker_registry import WorkerRegistry
@@ -419,6 +429,67 @@ def bench_pending(blocks: int) -> dict[str, Any]:
     return {"blocks": blocks, "add_settle_confirm_us": best_us(served), "add_withdraw_us": best_us(failed)}
 
 
+class _NoNats:
+    """What ReplicaSync reads of its NATS connection to size a snapshot's parts: the default limit."""
+
+    max_payload = 1 << 20
+
+
+def bench_snapshots(routers: list[int], bookings: int) -> dict[str, Any]:
+    workers = [f"worker-{i}" for i in range(16)]
+    out: list[dict[str, Any]] = []
+    for n in routers:
+        ids = {f"r{r}": [f"cmpl-{uuid.uuid4().hex}#0" for _ in range(bookings)] for r in range(n)}
+        sender, reader = (ReplicaSync(_NoNats(), "bench", me, LoadView()) for me in ("r0", "r1"))  # type: ignore[arg-type]
+        for sync in (sender, reader):
+            for w in workers:
+                sync.view.update(LoadReport(worker=w, ts=time.time(), kv_total_blocks=100_000))
+            for router, requests in ids.items():
+                for i, request in enumerate(requests):
+                    mine = router == sync.router_id
+                    sync.view.book(request, workers[i % 16], 1500, 100, router=None if mine else router)
+        taken = []
+        for _ in range(9):
+            start = time.perf_counter()
+            payloads = sender._snapshot()[1]
+            taken.append(time.perf_counter() - start)
+        for payload in payloads:  # the first read: what it adds is no heal, and it is not timed
+            reader._on_payload(payload)
+        parts: list[float] = []
+        whole: list[float] = []
+        for _ in range(7):
+            for payload in payloads:
+                start = time.perf_counter()
+                reader._on_payload(payload)
+                parts.append(time.perf_counter() - start)
+            whole.append(sum(parts[-len(payloads) :]))
+        assert sum(reader.stats.healed.values()) == 0, reader.stats.healed
+        out.append({
+            "routers": n, "bookings_each": bookings, "messages": len(payloads),
+            "kb": round(sum(map(len, payloads)) / 1000),
+            "send_take_encode_ms": round(statistics.median(taken) * 1e3, 2),
+            "read_part_p50_ms": round(statistics.median(parts) * 1e3, 2),
+            "read_part_max_ms": round(max(parts) * 1e3, 2),
+            "read_whole_ms": round(statistics.median(whole) * 1e3, 2),
+            "read_us_per_booking": round(statistics.median(whole) / bookings * 1e6, 2),
+            "book_free_us": _book_free_us(reader.view),
+        })  # fmt: skip
+    return {"fleets": out}
+
+
+def _book_free_us(view: LoadView) -> float:
+    """One request's book + prefill_done + free in `view`: the best of 9 runs of 2,000."""
+    keys = (f"bench-{n}#0" for n in itertools.count())
+
+    def request() -> None:
+        key = next(keys)
+        view.book(key, "worker-0", 1500, 100)
+        view.prefill_done(key)
+        view.free(key)
+
+    return round(min(timeit.repeat(request, number=2000, repeat=9)) / 2000 * 1e6, 2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -440,6 +511,9 @@ def main() -> None:
     pr.add_argument("--iterations", type=int, default=300)
     pe = sub.add_parser("pending")
     pe.add_argument("--blocks", type=int, default=256)
+    sn = sub.add_parser("snapshots")
+    sn.add_argument("--routers", default="2,4,8", help="fleet sizes: replicas, each with --bookings live")
+    sn.add_argument("--bookings", type=int, default=5000)
     w = sub.add_parser("workers", help="(internal) sims and shims for the overhead benchmark")
     w.add_argument("nats")
     w.add_argument("etcd")
@@ -458,6 +532,8 @@ def main() -> None:
         result = bench_prefill_room(args.prefill, args.isl, args.iterations)
     elif args.what == "pending":
         result = bench_pending(args.blocks)
+    elif args.what == "snapshots":
+        result = bench_snapshots([int(n) for n in args.routers.split(",")], args.bookings)
     elif args.what == "registrations":
         result = bench_registrations([int(n) for n in args.sizes.split(",")], args.repeats)
     else:

@@ -26,8 +26,10 @@ worker's clock stepping back (NTP step, VM resume): it is taken, and `update` sa
 since dropping it would freeze the worker's figures and read it as silent for as long as the step
 while it reports every second.
 
-Bookings are keyed by (router, request_id): None is this router. One request may hold bookings on
-several workers (its prefill and decode legs); `free` drops them all. Synchronous; one event loop.
+Bookings are kept per router (None is this router), then per request_id, so what one router holds
+(`held`, `keys`, `confirm_all`: a peer's snapshots) costs its own bookings, not the fleet's. One
+request may hold bookings on several workers (its prefill and decode legs); `free` drops them all.
+Synchronous; one event loop.
 
 Inflow. Every booking's prompt tokens also feed `prefill_inflow`, an exponentially weighted rate
 (time constant INFLOW_TAU_S) of the prefill work routed to the worker by any router: what share of
@@ -46,15 +48,16 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import msgspec
 
 from protocol.config import MAX_LOAD_PERIOD_S, MIN_LOAD_PERIOD_S
-from protocol.messages import LoadReport
+from protocol.messages import LoadReport, SyncBooking
 
-__all__ = ["MAX_CLOCK_SKEW_S", "MAX_REORDER_S", "Expired", "Held", "Liveness", "LoadView", "WorkerLoad"]
+__all__ = ["MAX_CLOCK_SKEW_S", "MAX_REORDER_S", "Expired", "Liveness", "LoadView", "WorkerLoad"]
 
 INFLOW_TAU_S = 10.0
 """Time constant of `prefill_inflow`, the exponentially weighted rate of prefill tokens booked on
@@ -214,16 +217,6 @@ class _WorkerBookings:
             heapq.heapify(self._by_done)
 
 
-class Held(msgspec.Struct, frozen=True):
-    """One live booking as its router states it (router.replica_sync's snapshots)."""
-
-    request_id: str
-    worker: str
-    tokens: int
-    blocks: int
-    prefill_done: bool
-
-
 @dataclass(frozen=True, slots=True)
 class Expired:
     """One router's bookings dropped by `LoadView.expire`."""
@@ -240,13 +233,15 @@ class _Report:
 
 
 _NO_REPORT = float("-inf")
+_NO_REQUESTS: Mapping[str, list[_Booking]] = MappingProxyType({})  # a router with no booking
 
 
 class LoadView:
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._reports: dict[str, _Report] = {}
-        self._by_request: dict[tuple[str | None, str], list[_Booking]] = {}
+        # router -> request_id -> its bookings (a router with none has no entry)
+        self._by_router: dict[str | None, dict[str, list[_Booking]]] = {}
         self._by_worker: dict[str, _WorkerBookings] = {}
         self._inflow: dict[str, tuple[float, float]] = {}  # worker -> (tokens/s, as of when)
 
@@ -311,11 +306,16 @@ class LoadView:
             raise ValueError(
                 f"booking {request_id}: negative prefill_tokens {prefill_tokens} or decode_blocks {decode_blocks}"
             )
-        key = (router, request_id)
-        bookings = self._by_request.setdefault(key, [])
-        for old in [b for b in bookings if b.worker == worker]:
-            bookings.remove(old)
-            self._by_worker[worker].discard(old)
+        requests = self._by_router.get(router)
+        if requests is None:
+            requests = self._by_router[router] = {}
+        bookings = requests.get(request_id)
+        if bookings is None:
+            bookings = requests[request_id] = []
+        else:
+            for old in [b for b in bookings if b.worker == worker]:
+                bookings.remove(old)
+                self._by_worker[worker].discard(old)
         now = self._clock()
         booking = _Booking(router, request_id, worker, prefill_tokens, decode_blocks, now, now)
         bookings.append(booking)
@@ -335,60 +335,82 @@ class LoadView:
         With `worker`, only its booking there: a remote request's prefill leg ended, and its decode
         worker has yet to schedule it (its blocks count until that worker's own first token)."""
         now = self._clock()
-        for booking in self._by_request.get((router, request_id), ()):
+        for booking in self._bookings_of(router, request_id):
             if booking.prefill_done_at is None and worker in (None, booking.worker):
                 self._by_worker[booking.worker].prefill_done(booking, now)
 
     def free(self, request_id: str, *, router: str | None = None) -> None:
         """The request ended, whichever way: all its bookings go."""
-        for booking in self._by_request.pop((router, request_id), ()):
-            self._drop_from_worker(booking)
+        self._drop_key(router, request_id)
 
-    def held(self, router: str | None = None) -> list[Held]:
-        """`router`'s live bookings (None: this router's)."""
+    def held(self, router: str | None = None) -> list[SyncBooking]:
+        """`router`'s live bookings (None: this router's), as its snapshot states them."""
         return [
-            Held(b.request_id, b.worker, b.prefill_tokens, b.decode_blocks, b.prefill_done_at is not None)
-            for key, bookings in self._by_request.items()
-            if key[0] == router
+            SyncBooking(
+                request_id=b.request_id,
+                worker=b.worker,
+                tokens=b.prefill_tokens,
+                blocks=b.decode_blocks,
+                prefill_done=b.prefill_done_at is not None,
+            )
+            for bookings in self._by_router.get(router, _NO_REQUESTS).values()
             for b in bookings
         ]
 
     def keys(self, router: str) -> set[tuple[str, str]]:
         """(request_id, worker) of each of `router`'s live bookings."""
         return {
-            (b.request_id, b.worker) for key, bookings in self._by_request.items() if key[0] == router for b in bookings
+            (b.request_id, b.worker)
+            for bookings in self._by_router.get(router, _NO_REQUESTS).values()
+            for b in bookings
         }
 
-    def confirm(self, request_id: str, worker: str, *, router: str) -> Held | None:
-        """`router` says its booking of the request on `worker` is live: its age for `expire`
-        starts again. Returns the booking as held here; None when none is."""
-        for b in self._by_request.get((router, request_id), ()):
-            if b.worker == worker:
-                b.confirmed_at = self._clock()
-                return Held(b.request_id, b.worker, b.prefill_tokens, b.decode_blocks, b.prefill_done_at is not None)
-        return None
+    def confirm_all(self, router: str, stated: Iterable[SyncBooking]) -> list[tuple[SyncBooking, SyncBooking | None]]:
+        """`router` says its bookings `stated` are live: the age for `expire` of each held here
+        starts again. Returns those not held here (with None) or held in another state (with the
+        booking as held here); the rest, a snapshot's usual all, cost one pass and no object."""
+        now = self._clock()
+        requests = self._by_router.get(router, _NO_REQUESTS)
+        differ: list[tuple[SyncBooking, SyncBooking | None]] = []
+        for s in stated:
+            for b in requests.get(s.request_id, ()):
+                if b.worker == s.worker:
+                    b.confirmed_at = now
+                    done = b.prefill_done_at is not None
+                    if b.prefill_tokens != s.tokens or b.decode_blocks != s.blocks or done != s.prefill_done:
+                        held = SyncBooking(
+                            request_id=b.request_id,
+                            worker=b.worker,
+                            tokens=b.prefill_tokens,
+                            blocks=b.decode_blocks,
+                            prefill_done=done,
+                        )
+                        differ.append((s, held))
+                    break
+            else:
+                differ.append((s, None))
+        return differ
 
     def drop(self, request_id: str, worker: str, *, router: str) -> bool:
         """Drop `router`'s booking of the request on `worker` alone; whether there was one."""
-        key = (router, request_id)
-        bookings = self._by_request.get(key, [])
-        for b in bookings:
+        for b in self._bookings_of(router, request_id):
             if b.worker == worker:
-                bookings.remove(b)
-                if not bookings:
-                    del self._by_request[key]
+                self._unlink(b)
                 self._drop_from_worker(b)
                 return True
         return False
 
     def forget_router(self, router: str) -> int:
         """A peer router is gone: drop its bookings. Returns how many went."""
-        keys = [k for k in self._by_request if k[0] == router]
-        return sum(self._drop_key(k) for k in keys)
+        requests = self._by_router.pop(router, _NO_REQUESTS)
+        for bookings in requests.values():
+            for booking in bookings:
+                self._drop_from_worker(booking)
+        return sum(map(len, requests.values()))
 
     def expire(self, max_age_s: float, *, peers_only: bool = True) -> dict[str | None, Expired]:
-        """Drop bookings booked or confirmed (`confirm`) longer than `max_age_s` ago (a safety net
-        for a `free` that never came), and
+        """Drop bookings booked or confirmed (`confirm_all`) longer than `max_age_s` ago (a safety
+        net for a `free` that never came), and
         what is held of a worker with no report, no booking and nothing newer (releases), or
         nothing left (a decayed `prefill_inflow`): a worker that left before a peer's booking on
         it arrived, whose releases no report will ever cover. Returns what went per router that
@@ -396,16 +418,17 @@ class LoadView:
         now = self._clock()
         cutoff = now - max_age_s
         stale = [
-            key
-            for key, bookings in self._by_request.items()
-            if (key[0] is not None or not peers_only) and all(b.confirmed_at < cutoff for b in bookings)
+            (router, request_id, bookings)
+            for router, requests in self._by_router.items()
+            if router is not None or not peers_only
+            for request_id, bookings in requests.items()
+            if all(b.confirmed_at < cutoff for b in bookings)
         ]
         dropped: dict[str | None, Expired] = {}
-        for key in stale:
-            bookings = self._by_request[key]
+        for router, request_id, bookings in stale:
             counted = sum(self._still_counted(b) for b in bookings)
-            was = dropped.get(key[0], Expired(0, 0))
-            dropped[key[0]] = Expired(was.bookings + self._drop_key(key), was.counted + counted)
+            was = dropped.get(router, Expired(0, 0))
+            dropped[router] = Expired(was.bookings + self._drop_key(router, request_id), was.counted + counted)
         for worker in (self._by_worker.keys() | self._inflow.keys()) - self._reports.keys():
             on_worker = self._by_worker.get(worker)
             if on_worker is not None and on_worker.idle_before(cutoff):
@@ -429,8 +452,19 @@ class LoadView:
             or booking.request_counted
         )
 
-    def _drop_key(self, key: tuple[str | None, str]) -> int:
-        bookings = self._by_request.pop(key, [])
+    def _bookings_of(self, router: str | None, request_id: str) -> list[_Booking]:
+        requests = self._by_router.get(router)
+        return (requests.get(request_id) if requests is not None else None) or []
+
+    def _drop_key(self, router: str | None, request_id: str) -> int:
+        requests = self._by_router.get(router)
+        if requests is None:
+            return 0
+        bookings = requests.pop(request_id, None)
+        if bookings is None:
+            return 0
+        if not requests:
+            del self._by_router[router]
         for booking in bookings:
             self._drop_from_worker(booking)
         return len(bookings)
@@ -443,12 +477,16 @@ class LoadView:
                 del self._by_worker[booking.worker]
 
     def _unlink(self, booking: _Booking) -> None:
-        key = (booking.router, booking.request_id)
-        bookings = self._by_request.get(key)
-        if bookings is not None:
-            bookings.remove(booking)
-            if not bookings:
-                del self._by_request[key]
+        """Take `booking` out of its router's requests (its worker's sums are the caller's)."""
+        requests = self._by_router.get(booking.router)
+        bookings = requests.get(booking.request_id) if requests is not None else None
+        if requests is None or bookings is None:
+            return
+        bookings.remove(booking)
+        if not bookings:
+            del requests[booking.request_id]
+            if not requests:
+                del self._by_router[booking.router]
 
     # --- reads ---------------------------------------------------------------------------------
 

@@ -16,15 +16,18 @@ at-most-once: a `free` published while NATS was down is flushed on reconnect, be
 subscribed again, and each of them held the booking for `peer_ttl_s`. So every `snapshot_s` a
 replica that publishes at all ends a flush with a snapshot of its own live bookings
 (`RouterSync.snapshot`, an addition to DESIGN.md's sync: docs/decisions.md), taken as the flush's
-entries leave the view and split over messages as entries are; NATS keeps one connection's order,
+entries leave the view and split over parts of at most `_PART_BOOKINGS`, fewer where a part would be
+over the NATS server's max_payload (entries are split so too); NATS keeps one connection's order,
 so a peer reads it after every entry sent before it. The peer books what it names and is missing
 (a lost add), corrects what it holds in another state (a lost prefill_done), and, once every part
 of it came in order, drops that router's bookings held at its part 0 that it left out and no add
 named since (a lost free); a part missing or out of order drops nothing (counted), and the next
-snapshot heals. A peer's first snapshot read here adds what this router came too late to hear:
-not a heal. The rest are counted by kind and said at WARNING once per peer a snapshot period (at
-most `_LOGGED_EXPIRED` peers named, the rest in one line): each is a message lost. A booking on a
-worker with no report here is not added: it left here first, or its first report is on its way.
+snapshot heals. Until a snapshot of the peer's has been read here whole and in order, what its
+snapshots add is what this router came too late to hear: not a heal. The rest are counted by kind
+and said at WARNING once per peer a snapshot period (at most `_LOGGED_EXPIRED` peers named, the rest
+in one line): each is a message lost. A booking on a worker with no report here is not added: it
+left here first, or its first report is on its way; a later snapshot's add of it is no heal either
+(until the review of 599ce22 it was, and a router restarted into a healthy fleet WARNed of it).
 Snapshot bookings are checked as entries are (malformed ones counted, said once per peer, dropped).
 
 As the last safety net (a peer older than 2026-12-07 sends no snapshot), a peer's bookings that
@@ -79,7 +82,9 @@ import contextlib
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import nats.errors
 from nats.aio.client import Client
@@ -114,7 +119,14 @@ __all__ = ["HEALED", "SYNC_SNAPSHOT_S", "SYNC_SNAPSHOT_S_RANGE", "ReplicaSync", 
 
 log = logging.getLogger(__name__)
 
-_MAX_ENTRIES_PER_MESSAGE = 2000  # ~100 KB of msgpack, well under NATS's 1 MB default payload limit
+_MESSAGE_ENTRIES = 2000
+"""Entries in one message at most (~100 KB of msgpack): fewer where that is over the NATS server's
+max_payload."""
+_PART_BOOKINGS = 500
+"""Bookings in one snapshot part at most (~50 KB): fewer where that is over the NATS server's
+max_payload. A peer reads a part in well under a millisecond and gives its loop a turn between
+messages (runtime.turns), so a large snapshot never holds a peer's loop for long."""
+_T = TypeVar("_T")
 _DEPARTED_MEMORY = 1024
 _LOGGED_SENDERS = 64  # unregistered senders named in the log; a forger minting ids gets no more lines
 _LOGGED_MALFORMED = 64  # (peer, slot)s whose malformed messages are logged, at a time
@@ -127,7 +139,7 @@ SYNC_SNAPSHOT_S = 30.0
 """How often a replica sends its peers a snapshot of its live bookings (--sync-snapshot-s)."""
 SYNC_SNAPSHOT_S_RANGE = (1.0, 300.0)
 """--sync-snapshot-s's bounds. A snapshot holds every live booking (~100 bytes each: 5,000 in flight
-are 480 KB, read by every peer), so not more often than a second; at most half of `peer_ttl_s`
+are 508 KB, read by every peer), so not more often than a second; at most half of `peer_ttl_s`
 (600 s), so a live booking is named again before it expires even when one snapshot is lost."""
 _HEALED_WORDS = {
     "added": "booking(s) added (their add was lost)",
@@ -169,6 +181,19 @@ class _Sweep:
     parts: int
     unseen: set[tuple[str, str]] | None
     next: int = 0  # the part expected next
+    skipped: set[tuple[str, str]] = field(default_factory=set)  # not added: no report of the worker here
+
+
+class _TooLarge(Exception):
+    """One entry or booking alone makes a message over the NATS server's max_payload."""
+
+
+def _said(taken: tuple[int, list[bytes]] | None) -> str:
+    """A snapshot in a line saying it was not sent: how large it is."""
+    if taken is None:
+        return ""
+    bookings, payloads = taken
+    return f" and a snapshot of {bookings} bookings ({sum(map(len, payloads))} bytes in {len(payloads)} messages)"
 
 
 class ReplicaSync:
@@ -202,7 +227,9 @@ class ReplicaSync:
         self._snapshot_due = False  # the next flush ends with a snapshot of our bookings
         self._snapshot_seq = 0
         self._sweeps: dict[str, _Sweep] = {}
-        self._caught_up: set[str] = set()  # peers whose snapshot was read to its last part: a later one's add heals
+        self._caught_up: set[str] = set()  # peers one of whose snapshots was read whole: a later one's add heals
+        # per peer, what its snapshots named on a worker with no report here, since its last whole one began
+        self._skipped: dict[str, set[tuple[str, str]]] = {}
         self._healed: dict[str, dict[str, int]] = {}  # per peer, since the last heal pass
         self._discovery = discovery
         self.peer_settings = peers
@@ -324,6 +351,7 @@ class ReplicaSync:
         self._malformed_logged = {said for said in self._malformed_logged if said[0] != router}
         self._sweeps.pop(router, None)
         self._caught_up.discard(router)
+        self._skipped.pop(router, None)
         self._healed.pop(router, None)
         dropped = self.view.forget_router(router)
         self.stats.routers_forgotten += 1
@@ -351,49 +379,76 @@ class ReplicaSync:
         snapshot, self._snapshot_due = self._snapshot_due, False
         if not self._sent and self._registered is not None and not self._registered - {self.router_id}:
             return  # no peer to tell: a router that registers later learns our bookings from our first snapshot
-        step = _MAX_ENTRIES_PER_MESSAGE
-        messages = [
-            RouterSync(router=self.router_id, entries=entries[i : i + step]) for i in range(0, len(entries), step)
-        ]
-        if snapshot:
-            messages += self._snapshot()  # taken now, with no await since the swap: as these entries leave the view
-        for i, msg in enumerate(messages):
+        step = _MESSAGE_ENTRIES
+        taken: tuple[int, list[bytes]] | None = None
+        try:
+            messages = self._fitted(
+                [entries[i : i + step] for i in range(0, len(entries), step)],
+                self._entries,
+                f"the {len(entries)} entries",
+            )
+            if snapshot:
+                taken = self._snapshot()  # taken now, with no await since the swap: as these entries leave the view
+        except _TooLarge as exc:
+            self.stats.send_failures += 1
+            log.warning(
+                "router sync: %d entries%s not sent (%s)", len(entries), " and a snapshot" if snapshot else "", exc
+            )
+            return
+        messages += [(payload, 0) for payload in taken[1]] if taken is not None else []
+        for i, (payload, sent) in enumerate(messages):
             try:
-                await self._nc.publish(self._subject, encode_msg(msg))
+                await self._nc.publish(self._subject, payload)
             except nats.errors.Error as exc:
                 # Peers then miss these entries; our next snapshot heals them (their TTL, an older peer's).
                 self.stats.send_failures += 1
-                unsent = sum(len(m.entries) for m in messages[i:])
-                log.warning(
-                    "router sync: %d entries%s not sent (%s)", unsent, " and a snapshot" if snapshot else "", exc
-                )
+                unsent = sum(n for _, n in messages[i:])
+                log.warning("router sync: %d entries%s not sent (%s)", unsent, _said(taken), exc)
                 return
             self._sent = True
             self.stats.messages_sent += 1
-            self.stats.entries_sent += len(msg.entries)
+            self.stats.entries_sent += sent
         if snapshot:
             self.stats.snapshots_sent += 1
 
-    def _snapshot(self) -> list[RouterSync]:
-        """Our live bookings as the next snapshot's messages (one at least: an empty snapshot drops
-        every booking of ours a peer still holds)."""
+    def _entries(self, part: int, parts: int, entries: list[SyncEntry]) -> bytes:
+        return encode_msg(RouterSync(router=self.router_id, entries=entries))
+
+    def _snapshot(self) -> tuple[int, list[bytes]]:
+        """Our live bookings, and the next snapshot's messages stating them (one at least: an empty
+        snapshot drops every booking of ours a peer still holds)."""
         self._snapshot_seq += 1
-        held = [
-            SyncBooking(
-                request_id=h.request_id, worker=h.worker, tokens=h.tokens, blocks=h.blocks, prefill_done=h.prefill_done
-            )
-            for h in self.view.held()
-        ]
-        step = _MAX_ENTRIES_PER_MESSAGE
+        seq, held, step = self._snapshot_seq, self.view.held(), _PART_BOOKINGS
+
+        def part(part: int, parts: int, bookings: list[SyncBooking]) -> bytes:
+            snapshot = SyncSnapshot(seq=seq, part=part, parts=parts, bookings=bookings)
+            return encode_msg(RouterSync(router=self.router_id, entries=[], snapshot=snapshot))
+
         chunks = [held[i : i + step] for i in range(0, len(held), step)] or [[]]
-        return [
-            RouterSync(
-                router=self.router_id,
-                entries=[],
-                snapshot=SyncSnapshot(seq=self._snapshot_seq, part=part, parts=len(chunks), bookings=chunk),
-            )
-            for part, chunk in enumerate(chunks)
-        ]
+        return len(held), [payload for payload, _ in self._fitted(chunks, part, f"the snapshot's {len(held)} bookings")]
+
+    def _fitted(
+        self, chunks: list[list[_T]], encode: Callable[[int, int, list[_T]], bytes], what: str
+    ) -> list[tuple[bytes, int]]:
+        """Each chunk as `encode(part, parts, chunk)` and its length, those over the NATS server's
+        max_payload split in halves until each fits (as dispatch refuses a leg over it: nats-py
+        would refuse the publish)."""
+        limit = self._nc.max_payload
+        while True:
+            payloads = [encode(part, len(chunks), chunk) for part, chunk in enumerate(chunks)]
+            over = {part for part, payload in enumerate(payloads) if len(payload) > limit}
+            if not over:
+                return [(payload, len(chunk)) for payload, chunk in zip(payloads, chunks, strict=True)]
+            if too_large := [part for part in over if len(chunks[part]) <= 1]:
+                raise _TooLarge(
+                    f"one of {what} makes a message of {len(payloads[too_large[0]])} bytes alone, over the NATS "
+                    f"server's payload limit of {limit} bytes (its max_payload setting)"
+                )
+            chunks = [
+                half
+                for part, chunk in enumerate(chunks)
+                for half in ((chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]) if part in over else (chunk,))
+            ]
 
     async def _snapshots(self) -> None:
         while True:
@@ -457,26 +512,26 @@ class ReplicaSync:
             self._malformed(peer, f"snapshot part {snapshot.part} of {snapshot.parts}")
             return
         sweep = self._sweep(peer, snapshot)
-        first = peer not in self._caught_up  # what its first snapshot adds, this router came too late to hear
+        if sweep.unseen is not None:
+            sweep.unseen.difference_update([(b.request_id, b.worker) for b in snapshot.bookings])
+        # An add missing since a whole snapshot of the peer's was read here was lost; before, or of a
+        # booking a snapshot named while its worker had no report here, this router was too late for it.
+        heard = peer in self._caught_up
+        skipped = self._skipped.get(peer, set())
         view = self.view
-        for b in snapshot.bookings:
-            if sweep.unseen is not None:
-                sweep.unseen.discard((b.request_id, b.worker))
-            if (why := self._implausible(b.worker, b.tokens, b.blocks)) is not None:
-                self._malformed(peer, f"snapshot booked {why}")
-                continue
-            held = view.confirm(b.request_id, b.worker, router=peer)
+        for b, held in view.confirm_all(peer, self._plausible(peer, snapshot.bookings)):
             if held is None:
+                key = (b.request_id, b.worker)
                 if view.liveness(b.worker) is None:
-                    continue  # no report of it here: it left here first, or its first report is on its way
-                what = "" if first else "added"
+                    sweep.skipped.add(key)  # it left here first, or its first report is on its way
+                    self._skipped.setdefault(peer, skipped).add(key)
+                    continue
+                what = "added" if heard and key not in skipped else ""
             elif (held.tokens, held.blocks) != (b.tokens, b.blocks) or held.prefill_done > b.prefill_done:
                 what = "state"
-            elif b.prefill_done and not held.prefill_done:
+            else:  # held as stated but for its prefill_done
                 view.prefill_done(b.request_id, router=peer, worker=b.worker)
                 self._heal(peer, "state")
-                continue
-            else:
                 continue
             try:
                 view.book(b.request_id, b.worker, b.tokens, b.blocks, router=peer)
@@ -490,11 +545,31 @@ class ReplicaSync:
         if snapshot.part < snapshot.parts - 1:
             return
         del self._sweeps[peer]
-        self._caught_up.add(peer)
         if sweep.unseen is not None:
+            self._caught_up.add(peer)
+            if sweep.skipped:
+                self._skipped[peer] = sweep.skipped
+            else:
+                self._skipped.pop(peer, None)
             self.stats.snapshots_taken += 1
             if dropped := sum(view.drop(request_id, worker, router=peer) for request_id, worker in sweep.unseen):
                 self._heal(peer, "dropped", dropped)
+
+    def _plausible(self, peer: str, bookings: list[SyncBooking]) -> list[SyncBooking]:
+        """`bookings` but those no request makes (`_implausible`), each counted malformed."""
+        most = {
+            worker: min(self.view.capacity(worker) or MAX_BOOKING, MAX_BOOKING)
+            for worker in {b.worker for b in bookings}
+        }
+        if all(b.tokens <= MAX_BOOKING and b.blocks <= most[b.worker] for b in bookings):
+            return bookings
+        kept = []
+        for b in bookings:
+            if (why := self._implausible(b.worker, b.tokens, b.blocks)) is not None:
+                self._malformed(peer, f"snapshot booked {why}")
+            else:
+                kept.append(b)
+        return kept
 
     def _sweep(self, peer: str, snapshot: SyncSnapshot) -> _Sweep:
         """The sweep a part of `peer`'s snapshot belongs to, opened at its part 0; one whose parts

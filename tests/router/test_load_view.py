@@ -6,11 +6,12 @@ import math
 from collections.abc import Collection
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.messages import LoadReport
+from protocol.messages import LoadReport, SyncBooking
 from router.load_view import INFLOW_TAU_S, MAX_CLOCK_SKEW_S, MAX_REORDER_S, Expired, LoadView, WorkerLoad
 
 
@@ -265,6 +266,28 @@ def test_expire_drops_old_peer_bookings_and_keeps_ours(view: LoadView, clock: Cl
     assert view.bookings("w1") == 1
 
 
+def test_confirm_all_says_what_differs_and_keeps_what_it_names_from_expiring(view: LoadView, clock: Clock) -> None:
+    """A peer's snapshot part: its bookings held as stated come back as nothing, those not held
+    with None, those held in another state with the booking as held; each held one named is live
+    again for `expire`, and another router's bookings are no concern of it."""
+    view.book("same", "w1", 8, 2, router="p1")
+    view.book("done", "w1", 8, 2, router="p1")
+    view.prefill_done("done", router="p1")
+    view.book("quiet", "w1", 8, 2, router="p1")
+    view.book("same", "w1", 8, 2, router="p2")
+    clock.now += 100
+    stated = [
+        SyncBooking(request_id="same", worker="w1", tokens=8, blocks=2),
+        SyncBooking(request_id="done", worker="w1", tokens=8, blocks=2),  # held with its prefill done
+        SyncBooking(request_id="same", worker="w2", tokens=8, blocks=2),  # on a worker it is not held on
+        SyncBooking(request_id="new", worker="w1", tokens=8, blocks=2),
+    ]
+    held_done = SyncBooking(request_id="done", worker="w1", tokens=8, blocks=2, prefill_done=True)
+    assert view.confirm_all("p1", stated) == [(stated[1], held_done), (stated[2], None), (stated[3], None)]
+    assert view.expire(50) == {"p1": Expired(1, 1), "p2": Expired(1, 1)}  # "quiet", and p2's "same"
+    assert view.keys("p1") == {("same", "w1"), ("done", "w1")}
+
+
 def test_expire_says_which_bookings_still_counted_in_their_workers_load(view: LoadView, clock: Clock) -> None:
     """A request past its first token that a report covers counts nothing (a long one's usual case);
     a decode booking with no prefill_done counts its blocks until it goes (a lost free's case)."""
@@ -368,7 +391,7 @@ class NaiveView:
         self.arrivals.append((worker, self.clock.now, tokens))
         self.live = [b for b in self.live if (b["key"], b["worker"]) != (key, worker)]
         self.live.append({"key": key, "worker": worker, "tokens": tokens, "blocks": blocks,
-                          "at": self.clock.now, "done": None})  # fmt: skip
+                          "at": self.clock.now, "confirmed": self.clock.now, "done": None})  # fmt: skip
 
     def prefill_done(self, key: tuple[str | None, str], worker: str | None) -> None:
         for b in self.live:
@@ -384,6 +407,13 @@ class NaiveView:
             if b["key"] not in keys and b["worker"] != worker and (router is None or b["key"][0] != router)
         ]
 
+    def held(self, router: str | None) -> list[tuple[str, str, int, int, bool]]:
+        return sorted(
+            (b["key"][1], b["worker"], b["tokens"], b["blocks"], b["done"] is not None)
+            for b in self.live
+            if b["key"][0] == router
+        )
+
     def inflow(self, worker: str) -> float:
         now = self.clock.now
         return sum(t / INFLOW_TAU_S * math.exp(-(now - at) / INFLOW_TAU_S) for w, at, t in self.arrivals if w == worker)
@@ -397,7 +427,7 @@ class NaiveView:
 
 
 LV_WORKERS = ["w1", "w2", "w3"]
-LV_ROUTERS = [None, "p1"]
+LV_ROUTERS = [None, "p1", "p2"]
 LV_REQUESTS = ["r1", "r2", "r3", "r4"]
 LV_OPS = st.lists(
     st.one_of(
@@ -410,6 +440,11 @@ LV_OPS = st.lists(
         st.tuples(st.just("tick"), st.integers(0, 2)),
         st.tuples(st.just("remove"), st.sampled_from(LV_WORKERS)),
         st.tuples(st.just("forget"), st.just("p1")),
+        st.tuples(st.just("drop"), st.sampled_from(["p1", "p2"]), st.sampled_from(LV_REQUESTS),
+                  st.sampled_from(LV_WORKERS)),
+        st.tuples(st.just("confirm"), st.sampled_from(["p1", "p2"]),
+                  st.lists(st.tuples(st.sampled_from(LV_REQUESTS), st.sampled_from(LV_WORKERS),
+                                     st.integers(0, 500), st.integers(0, 50), st.booleans()), max_size=4)),
         st.tuples(st.just("expire"), st.integers(0, 6), st.booleans()),
     ),
     max_size=80,
@@ -448,6 +483,24 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
         elif op == "forget":
             view.forget_router(args[0])
             ref.drop(router=args[0])
+        elif op == "drop":
+            router, request, worker = args
+            dropped = [b for b in ref.live if (b["key"], b["worker"]) == ((router, request), worker)]
+            assert view.drop(request, worker, router=router) == bool(dropped)
+            ref.live = [b for b in ref.live if b not in dropped]
+        elif op == "confirm":  # a snapshot's part: what differs comes back, and what is held is live again
+            router, stated = args
+            got = view.confirm_all(router, [SyncBooking(request_id=r, worker=w, tokens=t, blocks=k, prefill_done=d)
+                                            for r, w, t, k, d in stated])  # fmt: skip
+            want = []
+            for r, w, t, k, d in stated:
+                held = [b for b in ref.live if (b["key"], b["worker"]) == ((router, r), w)]
+                for b in held:
+                    b["confirmed"] = clock.now
+                now = [(r, w, b["tokens"], b["blocks"], b["done"] is not None) for b in held]
+                if now != [(r, w, t, k, d)]:
+                    want.append(((r, w, t, k, d), now[0] if now else None))
+            assert [(msgspec.structs.astuple(s), h and msgspec.structs.astuple(h)) for s, h in got] == want
         else:  # expire: a request goes when all its bookings are older than the cutoff
             max_age, peers_only = args
             view.expire(max_age, peers_only=peers_only)
@@ -455,7 +508,7 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
             stale = {
                 b["key"] for b in ref.live
                 if (b["key"][0] is not None or not peers_only)
-                and all(o["at"] < cutoff for o in ref.live if o["key"] == b["key"])
+                and all(o["confirmed"] < cutoff for o in ref.live if o["key"] == b["key"])
             }  # fmt: skip
             ref.drop(keys=stale)
         for worker in LV_WORKERS:
@@ -464,6 +517,10 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
             assert sums == ref.sums(worker), (op, worker)
             assert view.bookings(worker) == sum(b["worker"] == worker for b in ref.live)
             assert load.prefill_inflow == pytest.approx(ref.inflow(worker), rel=1e-9, abs=1e-12), (op, worker)
+        for router in LV_ROUTERS:  # what one router holds, read from its own index
+            assert sorted(map(msgspec.structs.astuple, view.held(router))) == ref.held(router), (op, router)
+            if router is not None:
+                assert view.keys(router) == {(r, w) for r, w, *_ in ref.held(router)}, (op, router)
 
 
 def test_many_short_requests_on_a_silent_worker_keep_the_sums_right(view: LoadView, clock: Clock) -> None:

@@ -86,7 +86,7 @@ def clean(router: RouterService) -> bool:
     """No leg, no booking here or in the view the peers share, no request in flight."""
     return (
         not router.dispatcher.inflight_legs
-        and not router.view._by_request
+        and not router.view._by_router
         and router.path.planner.ledger.live == 0
         and router.path.inflight == 0
     )
@@ -180,7 +180,7 @@ async def test_a_client_that_falls_too_far_behind_ends_its_leg_at_once(
     def dropping(leg: Leg, error: LegError) -> None:
         drop(leg, error)
         legs, path = served.dispatcher.inflight_legs, served.path
-        at_drop.append((legs, path.inflight, path.planner.ledger.live, len(served.view._by_request)))
+        at_drop.append((legs, path.inflight, path.planner.ledger.live, sum(map(len, served.view._by_router.values()))))
 
     monkeypatch.setattr(Leg, "drop", dropping)
     sock = await stalled_stream(served, 30_000)  # about 8 s of generation at this speedup
@@ -220,7 +220,7 @@ async def test_a_booking_is_freed_when_the_answers_last_chunk_arrives_not_when_i
         # before: held until the client had read it all, up to the deadline (30 s) or forever; the
         # last chunks' way from the engine to the router may take seconds on a loaded 2-core box
         await until(
-            lambda: not router.view._by_request and router.path.planner.ledger.live == 0,
+            lambda: not router.view._by_router and router.path.planner.ledger.live == 0,
             timeout=10.0,
             what="the booking freed",
         )
