@@ -112,7 +112,7 @@ from router.lifecycle import PartStatus
 from router.load_view import LoadView
 from router.newer_kinds import NewerKinds, shown
 from router.peer_settings import PeerSettings
-from runtime import TickErrors, background, clipped, guarded
+from runtime import TickErrors, background, cancel_and_wait, clipped, guarded
 from runtime.turns import Turns
 
 __all__ = ["HEALED", "SYNC_SNAPSHOT_S", "SYNC_SNAPSHOT_S_RANGE", "ReplicaSync", "SyncStats"]
@@ -296,9 +296,7 @@ class ReplicaSync:
             return
         was_running = self.status is PartStatus.RUNNING
         self.status = PartStatus.STOPPED
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)  # its watch's etcd calls can lose a cancellation
         if was_running and not self._nc.is_closed:
             await self._send()  # best effort: peers also forget us when our key goes
         sub, self._sub = self._sub, None
