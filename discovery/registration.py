@@ -49,7 +49,8 @@ for good: a deleted key never put back, a lost lease never replaced, and `state`
 etcd merely not answering changes nothing (`state` is "unknown"): the key keeps its lease, and once
 etcd answers again the value is put once more, so an `update()` made during the outage lands.
 
-`value(id)` is called for every put, so it always stores the owner's current state.
+`value(id)` is called for every put, so it always stores the owner's current state. An `update()`
+made while the key is being created (by `start()`, or anew after a loss) is put once it is.
 
 `before_create(id)` runs once the id is known (the lease granted) and before the key exists: what
 the key announces must work by the time anyone reads it (a shim subscribes to its request subjects
@@ -345,6 +346,10 @@ class Registration:
             return False
         retry = RETRY_MIN_S
         while True:
+            # Cleared before value() is read for the create: an update() made while it is in flight
+            # (a shim's fingerprint found) is put by the next tick. Cleared after, it was lost for
+            # good, the key keeping the old value (review of 2026-12-07).
+            self._dirty = False
             try:
                 await self._register()
                 break
@@ -365,7 +370,6 @@ class Registration:
             except Exception as exc:  # the owner's before_create
                 self._hook_failed(old, exc)
                 return False
-        self._dirty = False
         if self._on_registered is not None:
             return await self._tell(self._on_registered, self.id)
         return True

@@ -12,7 +12,7 @@ import pytest
 
 import runtime
 from discovery import Discovery, KeyTaken, Registration, RegistrationState
-from discovery.lease import MIN_LEASE_TTL
+from discovery.lease import MIN_LEASE_TTL, Lease
 from kvswitch.servers import EtcdServer
 from protocol import RouterInfo, WorkerInfo, decode_json, subjects
 from protocol.config import EtcdSettings
@@ -111,6 +111,47 @@ async def test_lost_lease_registers_anew_and_tells_the_owner(etcd_url: str, ns: 
         await reg.stop()
         await reg.stop()  # safe twice
         assert await _get(d, key(second)) is None, "stop must revoke at once"
+
+
+@pytest.mark.parametrize("when", ["registering", "registering anew"])
+async def test_an_update_made_while_the_key_is_created_is_put(etcd_url: str, ns: str, when: str) -> None:
+    """A shim finds its tokenizer's fingerprint (a probe retried) and calls update() while the key's
+    create is in flight: the record gets it. After a lost lease it was dropped for good, the record
+    keeping "" while the shim logged it registered (review of 2026-12-07)."""
+    found = [""]
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = Registration(
+            d,
+            key=lambda wid: subjects.worker_key(ns, wid),
+            value=lambda wid: WorkerInfo(
+                worker=wid, model="m", role="agg", engine="vllm", block_size=16, tokenizer=found[0]
+            ),
+            ttl=5,
+        )
+        real_create = d.create
+
+        async def create(key: str, value: bytes, lease: Lease) -> None:
+            if not found[0]:  # value() was read for this create: the fingerprint is found during it
+                found[0] = "tok-found"
+                reg.update()
+                await asyncio.sleep(0.05)
+            await real_create(key, value, lease)
+
+        if when == "registering anew":
+            first = await reg.start()
+        d.create = create  # type: ignore[method-assign]
+        if when == "registering":
+            await reg.start()
+        else:
+            assert reg.lease is not None and d.client.lease is not None
+            await d.client.lease.revoke(reg.lease.id)
+            await _until(lambda: reg.id != first and reg.registrations == 2, 10, "re-registration")
+        deadline = time.monotonic() + 5  # an update is put at once; the checks (every ttl/3) never put it
+        while (raw := await _get(d, reg.key)) is None or decode_json(raw, WorkerInfo).tokenizer != "tok-found":
+            assert time.monotonic() < deadline, f"the update made while {when} was never put: {raw!r}"
+            await asyncio.sleep(0.05)
+        assert not reg.failed.is_set()
+        await reg.stop()
 
 
 async def test_a_name_is_the_id_and_a_second_holder_fails_loudly(etcd_url: str, ns: str) -> None:
