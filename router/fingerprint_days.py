@@ -8,13 +8,18 @@ zone's date is within a day of the UTC date; so `FingerprintDays` takes for this
 fingerprints of its tokenizer on each day from the UTC day before its start to the UTC day after
 today: a worker probed at any moment since the router started, in any zone, matches (a rolling
 restart across midnight among them), and a worker of another tokenizer matches on no day. A day is
-added as each UTC day begins (`follow`), none is dropped (a shim probes once a session: one
-probed on Monday advertises Monday's fingerprint for as long as it runs), and where the template
-writes the date, the BACK_DAYS days before that are added as the router starts (`backfill`), for
-workers probed before it started. One probed longer ago is refused, and told the date is why
-(`note`). Until 2026-12-07 the router took its fingerprint on the day it started alone, so a
-worker started on another day got no text prompt. A template that writes no date has one
-fingerprint on every day.
+added as each UTC day begins (`follow`; those told by `on_added`, the router's FingerprintWatch,
+look again at the workers they refused), none is dropped (a shim probes once a session: one probed
+on Monday advertises Monday's fingerprint for as long as it runs), and the BACK_DAYS days before
+that are added as the router starts (`backfill`), for workers probed before it started. One probed
+longer ago is refused, and told the date is why (`note`). Until 2026-12-07 the router took its
+fingerprint on the day it started alone, so a worker started on another day got no text prompt.
+
+Whether the template writes the date (`dated`) is judged from every day taken: one that writes the
+month or the year alone (strftime_now('%B %Y')) renders alike on adjacent days, so the back days
+are taken whatever the template (some 70 ms, on a thread), where they were taken only when the
+first three days differed and a worker probed last month was refused with advice that named no
+date (review of 2026-12-07). A template that writes no date has one fingerprint on every day.
 
 The fingerprints are computed by `on(day)` (router.tokenization.fingerprints_on: the template's
 clock pinned to that day): the first days as the router is built, as before, and the others on a
@@ -43,9 +48,9 @@ def _utc_now() -> datetime.datetime:
 
 
 class FingerprintDays:
-    """The router tokenizer's fingerprints by day. `current` and `legacy`: those of the router's
-    local date as it started, what /ready shows; `accepts` and `is_legacy` take any day's. Read
-    and changed on the event loop only."""
+    """The router tokenizer's fingerprints by day. `current`: its fingerprint on the router's local
+    date as it started, what /ready shows; `accepts` and `is_legacy` take any day's. Read and
+    changed on the event loop only."""
 
     def __init__(self, on: Callable[[datetime.date], Pair] | None, *, now: Callable[[], datetime.datetime] = _utc_now):
         """`on(day)`: the fingerprints on `day`; None: a fixed pair, given to `fixed` (no day to add).
@@ -55,15 +60,15 @@ class FingerprintDays:
         self._by_day: dict[datetime.date, Pair] = {}
         self._accepted: set[str] = set()
         self._legacy: set[str] = set()
+        self._hearers: list[Callable[[], None]] = []
         self.current = ""
-        self.legacy: str | None = None
         if on is not None:
             started = now()
             today = started.astimezone(datetime.UTC).date()
             for day in (today - _DAY, today, today + _DAY):
                 self._add(day, on(day))
             # the router's own requests render with its local date, within a day of UTC's
-            self.current, self.legacy = self._by_day[started.astimezone().date()]
+            self.current = self._by_day[started.astimezone().date()][0]
 
     @classmethod
     def fixed(cls, current: str, legacy: str | None = None) -> FingerprintDays:
@@ -71,13 +76,24 @@ class FingerprintDays:
         days = cls(None)
         days._accepted.add(current)
         days._legacy.update([legacy] if legacy is not None else [])
-        days.current, days.legacy = current, legacy
+        days.current = current
         return days
+
+    def on_added(self, hear: Callable[[], None]) -> None:
+        """Call `hear()` after each batch of days added (a fingerprint refused may be accepted now)."""
+        self._hearers.append(hear)
 
     @property
     def dated(self) -> bool:
-        """The template writes the date: days differ."""
+        """The template writes the date: the days taken differ (after `backfill`, over a month or more)."""
         return len(self._accepted) > 1
+
+    @property
+    def span(self) -> tuple[datetime.date, datetime.date]:
+        """The first and the last day taken (UTC)."""
+        if not self._by_day:
+            raise ValueError("fixed fingerprints take no days")
+        return min(self._by_day), max(self._by_day)
 
     def accepts(self, fp: str) -> bool:
         """`fp` is this router's tokenizer's on one of its days."""
@@ -92,7 +108,7 @@ class FingerprintDays:
         "" for one that does not."""
         if not self.dated:
             return ""
-        first, last = min(self._by_day), max(self._by_day)
+        first, last = self.span
         return (
             f"this router's chat template writes today's date (strftime_now), and it takes its tokenizer's "
             f"fingerprint on each day from {first} to {last} (UTC, a day either side for time zones): a worker whose "
@@ -101,8 +117,9 @@ class FingerprintDays:
         )
 
     async def backfill(self) -> None:
-        """Where the template writes the date, the BACK_DAYS days before the first (on a thread)."""
-        if self.dated:
+        """The BACK_DAYS days before the first (on a thread), whatever the template: only then is
+        `dated` judged over a month and more."""
+        if self._by_day:
             first = min(self._by_day)
             await self._fill(first - _DAY * n for n in range(1, BACK_DAYS + 1))
 
@@ -124,9 +141,14 @@ class FingerprintDays:
         on = self._on
         if on is None:
             return
+        added = False
         for day in days:
             if day not in self._by_day:
                 self._add(day, await asyncio.to_thread(on, day))
+                added = True
+        if added:
+            for hear in self._hearers:
+                hear()
 
     def _add(self, day: datetime.date, pair: Pair) -> None:
         self._by_day[day] = pair

@@ -666,7 +666,9 @@ class FingerprintWatch:
     (the first on /ready, every one on /debug/workers). The fix is the router's, so a fleet of
     another tokenizer is said as /ready says it: the first NAMED_AT_MOST workers by name, the rest
     counted (router.fleet_lines); a worker back under its name (a fleet restart) with the same
-    mismatch is not said again."""
+    mismatch is not said again. Its workers refused are looked at again as days are added
+    (`recheck`): one whose engine probed on a day after the router's last takes text prompts from
+    midnight on, and /ready and /debug/workers must stop listing it then."""
 
     def __init__(
         self,
@@ -682,10 +684,10 @@ class FingerprintWatch:
         (`HfPromptTokenizer.caveat`), said to a mismatched worker in place of advice no
         --tokenizer can follow."""
         self.days = mine if isinstance(mine, FingerprintDays) else FingerprintDays.fixed(mine, legacy)
+        self.days.on_added(self.recheck)
         self.mine = self.days.current
-        self.legacy = self.days.legacy
         self.caveat = caveat
-        self._mismatched: dict[str, str] = {}  # worker -> why
+        self._mismatched: dict[str, tuple[WorkerInfo, str]] = {}  # worker -> (its record, why)
         self._said = LastSaid()
         self._lines = FleetLines(
             log,
@@ -709,10 +711,29 @@ class FingerprintWatch:
                 info.model,
                 why,
             )
-        self._mismatched[info.worker] = why
+        self._mismatched[info.worker] = (info, why)
 
     def forget(self, worker: str) -> None:
         self._mismatched.pop(worker, None)
+
+    def recheck(self) -> None:
+        """Days were added: a worker refused may advertise one of them; the others' reasons name the
+        new days (said again only when the worker registers anew with it). Until 2026-12-07 a worker was
+        judged only as its record came, so one routed text from midnight on stayed listed refused."""
+        taken = []
+        for worker, (info, _) in list(self._mismatched.items()):
+            if self.days.accepts(info.tokenizer):
+                del self._mismatched[worker]
+                self._said.clear(worker)
+                taken.append(worker)
+            else:
+                self._mismatched[worker] = (info, self._why(info))
+        if taken:
+            log.info(
+                "worker(s) %s take text prompts from this router now: their tokenizer's fingerprint is its on a day "
+                "just added",
+                few_ids(sorted(taken)),
+            )
 
     def _why(self, info: WorkerInfo) -> str:
         if self.days.is_legacy(info.tokenizer):
@@ -742,7 +763,7 @@ class FingerprintWatch:
     def report(self) -> dict[str, Any]:
         return {
             "router": self.mine,
-            "text_refused": [{"worker": w, "why": why} for w, why in sorted(self._mismatched.items())],
+            "text_refused": [{"worker": w, "why": why} for w, (_, why) in sorted(self._mismatched.items())],
         }
 
     def summary(self) -> dict[str, Any]:
@@ -751,6 +772,6 @@ class FingerprintWatch:
         named = heapq.nsmallest(NAMED_AT_MOST, self._mismatched)
         return {
             "router": self.mine,
-            "text_refused": [{"worker": w, "why": self._mismatched[w]} for w in named],
+            "text_refused": [{"worker": w, "why": self._mismatched[w][1]} for w in named],
             "text_refused_total": len(self._mismatched),
         }

@@ -29,12 +29,12 @@ from tests.router.polling import until
 MONDAY = datetime.date(2026, 12, 7)
 
 
-def _dated(folder: Path, variant: str = "llama31") -> Path:
-    """`variant` with Llama 3.2's `Today Date:` line (strftime_now) ahead of its template."""
+def _dated(folder: Path, variant: str = "llama31", written: str = "%d %b %Y") -> Path:
+    """`variant` with Llama 3.2's `Today Date:` line (strftime_now(`written`)) ahead of its template."""
     build_variant(variant, folder)
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
-    config["chat_template"] = "{{- 'Today Date: ' + strftime_now('%d %b %Y') + '\\n' }}" + config["chat_template"]
+    config["chat_template"] = f"{{{{- 'Today Date: ' + strftime_now('{written}') + '\\n' }}}}" + config["chat_template"]
     config_file.write_text(json.dumps(config))
     return folder
 
@@ -146,16 +146,55 @@ def test_the_planner_says_the_date_may_be_why_a_worker_differs(dated: PromptToke
 
 async def test_a_template_that_writes_no_date_has_one_fingerprint(tmp_path: Path) -> None:
     tok = load_tokenizer(build_variant("llama31", tmp_path))
-    calls: list[datetime.date] = []
+    taken: list[str] = []
 
     def on(day: datetime.date) -> tokenization.Fingerprints:
-        calls.append(day)
-        return fingerprints_on(tok, day)
+        pair = fingerprints_on(tok, day)
+        taken.append(pair.current)
+        return pair
 
     days = FingerprintDays(on, now=_at(datetime.datetime(2026, 12, 7, 12, tzinfo=datetime.UTC)))
     await days.backfill()
-    assert not days.dated and days.note() == "" and len(calls) == 3
+    # every day is taken (whether a template writes the date shows only over a month: the next test)
+    assert len(taken) == 3 + BACK_DAYS and set(taken) == {days.current}
+    assert not days.dated and days.note() == ""
     assert days.current == tokenization.tokenizer_fingerprint(tok)
+
+
+async def test_a_template_that_writes_the_month_alone_takes_the_days_before_the_start(tmp_path: Path) -> None:
+    # strftime_now('%B %Y') renders alike on adjacent days: the back days were taken only when the first
+    # three differed, so a worker probed last month was refused, told nothing of the date (review of 2026-12-07).
+    tok = load_tokenizer(_dated(tmp_path / "month", written="%B %Y"))
+    days = FingerprintDays(
+        partial(fingerprints_on, tok), now=_at(datetime.datetime(2026, 12, 7, 12, tzinfo=datetime.UTC))
+    )
+    november = _probed(tok, datetime.date(2026, 11, 28))
+    assert not days.accepts(november)
+    await days.backfill()
+    assert days.dated and days.accepts(november)
+    watch = FingerprintWatch(days)
+    watch.check(_info("november", november))
+    watch.check(_info("october", _probed(tok, datetime.date(2026, 10, 20))))  # before the back days
+    assert [r["worker"] for r in watch.report()["text_refused"]] == ["october"]
+    assert "writes today's date (strftime_now)" in watch.report()["text_refused"][0]["why"]
+
+
+async def test_a_worker_refused_is_taken_off_ready_once_its_day_is_added(dated: PromptTokenizer) -> None:
+    # Its engine's clock two days ahead: refused until the router's days reach it at midnight; /ready and
+    # /debug/workers listed it refused from then on, though text was routed to it (review of 2026-12-07).
+    now = [datetime.datetime(2026, 12, 7, 23, tzinfo=datetime.UTC)]
+    days = FingerprintDays(partial(fingerprints_on, dated), now=lambda: now[0])
+    watch = FingerprintWatch(days)
+    ahead = _info("ahead", _probed(dated, MONDAY + datetime.timedelta(days=2)))
+    stale = _info("stale", _probed(dated, MONDAY - datetime.timedelta(days=3)))
+    watch.check(ahead)
+    watch.check(stale)
+    assert watch.summary()["text_refused_total"] == 2
+    now[0] = datetime.datetime(2026, 12, 8, 0, 0, 5, tzinfo=datetime.UTC)
+    await days.catch_up()
+    assert [r["worker"] for r in watch.report()["text_refused"]] == ["stale"]
+    assert watch.summary()["text_refused_total"] == 1
+    assert "from 2026-12-06 to 2026-12-09" in watch.report()["text_refused"][0]["why"], "the days named are now's"
 
 
 class _Clock:
@@ -180,7 +219,9 @@ def test_a_router_takes_text_to_a_worker_whose_engine_probed_tomorrow(
     # clock, already on tomorrow's date (it restarted after midnight, or runs in a zone ahead).
     folder = _dated(tmp_path / "dated")
     router = RouterService(RouterConfig(tokenizer=str(folder)))
-    tomorrow = datetime.datetime.now(datetime.UTC).date() + datetime.timedelta(days=1)
+    # the router's own last day, the UTC day after its start: a second read of the clock could be a
+    # day later than the router's, past midnight
+    tomorrow = router.fingerprint_days.span[1]
     monkeypatch.setattr(
         tokenization, "datetime", _Clock(datetime.datetime(tomorrow.year, tomorrow.month, tomorrow.day, 0, 1))
     )

@@ -172,8 +172,9 @@ def test_a_shim_of_the_old_probe_set_is_refused_text_and_told_to_upgrade_not_to_
 
     router = RouterService(RouterConfig(tokenizer=str(folders["llama31"])))
     watch = router.fingerprints
-    assert (watch.mine, watch.legacy) == tokenizer_fingerprints(_tok(folders, "llama31"))
-    assert watch.legacy == "tok-c613de59c2625531" != watch.mine
+    mine, legacy = tokenizer_fingerprints(_tok(folders, "llama31"))
+    assert watch.mine == mine and legacy == "tok-c613de59c2625531" != mine
+    assert router.fingerprint_days.is_legacy(legacy) and not router.fingerprint_days.accepts(legacy)
 
     def info(worker: str, tokenizer: str) -> WorkerInfo:
         return WorkerInfo(worker=worker, model="m", role="agg", engine="vllm", block_size=16, tokenizer=tokenizer)
@@ -196,14 +197,14 @@ def test_a_shim_of_the_old_probe_set_is_refused_text_and_told_to_upgrade_not_to_
     assert "old" not in {r["worker"] for r in watch.report()["text_refused"]}
 
     # The planner's words (/debug/route, a text request's 503, /ready) say the same.
-    stale = [info("old", watch.legacy), info("added", watch.legacy)]
+    stale = [info("old", legacy), info("added", legacy)]
     planner = standalone_planner(
         RouterSettings(),
         lambda: stale,
         index=BlockIndex(),
         view=LoadView(),
         tokenizer=watch.mine,
-        legacy_tokenizer=watch.legacy,
+        legacy_tokenizer=legacy,
     )
     assert planner.text_refusals() == [planner.text_refusal("m", stale)]
     refusal = planner.text_refusal("m", stale)
