@@ -70,7 +70,7 @@ import msgspec
 from discovery.lease import Lease, LeaseState
 from discovery.session import DEFAULT_TTL, Discovery, DiscoveryError, KeyTaken
 from protocol import encode_json
-from runtime import TickErrors, background, cancel_and_wait
+from runtime import StopSteps, TickErrors, background, cancel_and_wait
 
 __all__ = ["Registration", "RegistrationState"]
 
@@ -170,12 +170,15 @@ class Registration:
         """Stop supervising and revoke the lease; whether it is gone (none held counts): False when etcd
         did not revoke it (a WARNING says why), its keys then kept until its TTL passes."""
         task, self._task = self._task, None
+        steps = StopSteps()  # cancelled while the supervisor ends, the lease is revoked still
         if task is not None:
-            # a crash of it was said as it came (and failed the registration): the lease goes anyway
-            await cancel_and_wait(task)
+            with steps:
+                # a crash of it was said as it came (and failed the registration): the lease goes anyway
+                await cancel_and_wait(task)
         lease, self.lease = self.lease, None
         revoked = lease is None or await self._discovery.release(lease)
         self._phase = RegistrationState.STOPPED
+        steps.end()
         return revoked
 
     def revoke_now(self, timeout: float = 1.0) -> None:

@@ -99,7 +99,7 @@ from router.tracing import RequestTracer
 from router.unheard import Unheard
 from router.worker_registry import WorkerRegistry, context_message
 from router.worker_versions import WorkerVersions
-from runtime import RepeatedErrors, background, cancel_and_wait, ended, guarded
+from runtime import RepeatedErrors, StopSteps, background, cancel_and_wait, ended, guarded
 from runtime.loop_watch import LoopWatch
 from runtime.nats_connect import connect as nats_connect
 from runtime.nats_connect import error_reporter, refused_subscriptions
@@ -652,35 +652,50 @@ class RouterService:
         )
 
     async def stop(self) -> None:
+        """Drain, stop every part, revoke the lease, close the connections. A cancellation meanwhile
+        cuts the step it comes in short, and the rest still run; raised at the end: a SIGTERM during
+        start runs this in the start's cleanup, which runtime.start_or_stop cancels again every
+        CANCEL_AGAIN_S, and the lease's revoke was skipped, kept to its TTL (a review of 2026-12-07)."""
         if self.status in (RouterStatus.STOPPING, RouterStatus.STOPPED):
             return
         self.status = RouterStatus.STOPPING
+        steps = StopSteps()
         if self._door is not None:
-            await self._door.close()  # a no-op once it handed over; before, nothing runs long there
+            with steps:
+                await self._door.close()  # a no-op once it handed over; before, nothing runs long there
         runner, self._runner = self._runner, None
         if runner is not None:
             # The listener stays open meanwhile: a client (or a load balancer that has not yet
             # dropped this router) gets a 503 to retry elsewhere, not a refused connection.
-            if cut := await self._drain.finish(self.config.drain_s):
-                log.warning("%d requests still running after the %gs drain: ended with a 503", cut, self.config.drain_s)
-            await runner.cleanup()
-        await cancel_and_wait(*self._tasks, *self._loops)
-        await self.loop_watch.stop()
+            with steps:
+                if cut := await self._drain.finish(self.config.drain_s):
+                    log.warning(
+                        "%d requests still running after the %gs drain: ended with a 503", cut, self.config.drain_s
+                    )
+            with steps:
+                await runner.cleanup()
+        with steps:
+            await cancel_and_wait(*self._tasks, *self._loops)
+        with steps:
+            await self.loop_watch.stop()
         for part in (self._registry, self._ingest, self._sync, self._dispatcher):
             if part is not None:
-                with contextlib.suppress(Exception):
+                with steps, contextlib.suppress(Exception):
                     await part.stop()
         subs, self._load_subs = self._load_subs, None
         if subs is not None:
-            await subs.stop()
+            with steps:
+                await subs.stop()
         registration, self._registration = self._registration, None
         if registration is not None:
             failure: Exception | None = None
-            try:
-                revoked = await registration.stop()  # revokes the RouterInfo lease: peers forget our bookings
-            except Exception as exc:  # a bug: said with its traceback, and the rest of the stop goes on
-                revoked, failure = False, exc
-            if not revoked:
+            revoked: bool | None = None  # None: cut short by a cancellation, which is raised at the end
+            with steps:
+                try:
+                    revoked = await registration.stop()  # revokes the RouterInfo lease: peers forget our bookings
+                except Exception as exc:  # a bug: said with its traceback, and the rest of the stop goes on
+                    revoked, failure = False, exc
+            if revoked is False:
                 log.error(
                     "revoking router %s's lease failed (%s): peers keep its bookings, and workers its legs, until "
                     "its TTL (%d s) passes",
@@ -689,17 +704,25 @@ class RouterService:
                     registration.ttl,
                     exc_info=failure,
                 )
+            elif revoked is None:
+                log.warning(
+                    "router %s's stop was cancelled while it revoked its lease: peers may keep its bookings, and "
+                    "workers its legs, until its TTL (%d s) passes",
+                    self.router_id,
+                    registration.ttl,
+                )
         discovery, self._discovery = self._discovery, None
         if discovery is not None:
-            with contextlib.suppress(Exception):
+            with steps, contextlib.suppress(Exception):
                 await discovery.close()
         for conn in (self._load_nc, self._kv_nc, self._kvstate_nc, self._nc):
             if conn is not None and not conn.is_closed:
-                with contextlib.suppress(Exception):
+                with steps, contextlib.suppress(Exception):
                     await conn.drain()
         self._load_nc = self._kv_nc = self._kvstate_nc = self._nc = None
         self.fleet_log.flush()  # its windows' timers never fire now
         self.status = RouterStatus.STOPPED
+        steps.end()
 
     async def serve(self, stop: asyncio.Event) -> int:
         """Run until `stop` is set, or until the router is `broken`, which sets `stop` (under

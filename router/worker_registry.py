@@ -203,9 +203,11 @@ class WorkerRegistry:
             return
         self.status = PartStatus.STOPPED
         task, self._task = self._task, None
-        if task is not None:
-            await cancel_and_wait(task)
-        self._records.flush()  # a change held for its window's end, which no timer will say now
+        try:
+            if task is not None:
+                await cancel_and_wait(task)
+        finally:  # cancelled meanwhile (a start's cleanup cancelled again): raised after
+            self._records.flush()  # a change held for its window's end, which no timer will say now
 
     async def wait_ready(self, timeout: float) -> bool:
         """True once the first snapshot of the workers has been applied."""

@@ -26,6 +26,7 @@ __all__ = [
     "LogConfigError",
     "RepeatedErrors",
     "RepeatedLines",
+    "StopSteps",
     "Throttle",
     "TickErrors",
     "background",
@@ -182,21 +183,23 @@ def tune_gc() -> None:
 
 async def start_or_stop(start: Coroutine[Any, Any, object], stop: asyncio.Event) -> bool:
     """True once `start` is done (its error raised if it failed); False when `stop` is set first,
-    after cancelling `start`. A service that cannot reach NATS or etcd keeps trying to start; a
-    SIGTERM then must end it at once, not after `run_service`'s drain limit."""
+    after cancelling `start`, and it ended cancelled. A service that cannot reach NATS or etcd keeps
+    trying to start; a SIGTERM then must end it at once, not after `run_service`'s drain limit. A
+    start that finished though cancelled (its cancellation lost below it, in its last call) is
+    started: True, and its caller stops it as it stops a serving one (`stop` is set), where False
+    left its lease to its TTL and its NATS connections undrained."""
     starting = asyncio.create_task(start, name="start")
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopped.cancel()
-    if starting.done():
-        starting.result()
-        return True
-    await cancel_and_wait(starting)
-    if not starting.cancelled():
-        starting.result()  # its error, raised as it ended
-    return False
+    if not starting.done():
+        await cancel_and_wait(starting)
+        if starting.cancelled():
+            return False
+    starting.result()  # its error, raised as it ended
+    return True
 
 
 def background(
@@ -221,26 +224,46 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any], again_s: float | None = Non
     A cancellation can be lost below a task (Python 3.11's asyncio and grpc.aio each can drop one
     that comes with an answer), and a task that loops then runs for good: a shim's stop waited on
     its registration's supervisor forever (a full test run of 2026-12-07, its loop idle in a
-    teardown; CI's like it had no trace). Said at WARNING, per task, when it had to cancel again. A
-    caller cancelled meanwhile cancels `tasks` again as it goes (as awaiting them did). Their
-    outcomes are retrieved, not raised: a crash was said as it came (background()), or is read from
-    the task by a caller whose own error it is (task.result())."""
+    teardown; CI's like it had no trace). Said at WARNING, per task, when it had to cancel again.
+
+    A caller cancelled meanwhile is as one awaiting them: each of its cancellations goes on to the
+    tasks still running, the wait goes on, and CancelledError is raised once they all ended. Raised
+    at once, a stop that ran in a cancelled task's cleanup (a leg's heartbeat reaped before its final
+    chunk) was cut off by the stop waiting on that task, when it cancelled again: the rest of that
+    cleanup never ran. A cancellation that a cancel_and_wait above passes down so (its again_s
+    passed) counts against the tasks it reaches, not the task that waits on them.
+
+    Their outcomes are retrieved, not raised: a crash was said as it came (background()), or is read
+    from the task by a caller whose own error it is (task.result())."""
     every = CANCEL_AGAIN_S if again_s is None else again_s
+    loop = asyncio.get_running_loop()
     for task in tasks:
         task.cancel()
-    again = dict.fromkeys(tasks, 0)
+    wait = _Wait(tasks)
+    me = asyncio.current_task()
+    if me is not None:
+        _waiting[me] = wait
+    cut: asyncio.CancelledError | None = None  # the caller's own cancellation, raised once they ended
+    again_at = loop.time() + every
     try:
-        while running := {task for task in tasks if not task.done()}:
-            await asyncio.wait(running, timeout=every)
-            for task in running:
-                if not task.done():
-                    again[task] += 1
+        while running := [task for task in tasks if not task.done()]:
+            try:
+                await asyncio.wait(running, timeout=max(again_at - loop.time(), 0.0))
+            except asyncio.CancelledError as exc:
+                cut = exc
+                for task in running:
                     task.cancel()
-    except asyncio.CancelledError:
-        for task in tasks:
-            task.cancel()
-        raise
-    for task, times in again.items():
+                again_at = loop.time() + every  # as its own: a cleanup it begins gets a whole again_s
+                continue
+            if loop.time() >= again_at:
+                wait.ran_on()
+                for task in running:
+                    task.cancel()
+                again_at = loop.time() + every
+    finally:
+        if me is not None:
+            _waiting.pop(me, None)
+    for task, times in wait.again.items():
         if times:
             _log.warning(
                 "task %s ran on through its cancellation (lost below it): cancelled again %d time(s) before it ended",
@@ -249,6 +272,56 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any], again_s: float | None = Non
             )
         if not task.cancelled():
             task.exception()
+    if cut is not None:
+        raise cut
+
+
+class _Wait:
+    """One cancel_and_wait's tasks, and how many times each was cancelled again while it ran on."""
+
+    def __init__(self, tasks: tuple[asyncio.Task[Any], ...]) -> None:
+        self.again = dict.fromkeys(tasks, 0)
+
+    def ran_on(self) -> None:
+        """A cancellation again for each task still running: counted against it, or, where it waits
+        in a cancel_and_wait of its own (which passes it on), against the tasks that one waits on."""
+        for task in self.again:
+            if task.done():
+                continue
+            inner = _waiting.get(task)
+            if inner is not None:
+                inner.ran_on()
+            else:
+                self.again[task] += 1
+
+
+# the cancel_and_wait each task waits in, while it does
+_waiting: weakref.WeakKeyDictionary[asyncio.Task[Any], _Wait] = weakref.WeakKeyDictionary()
+
+
+class StopSteps:
+    """A stop's steps, each run though a cancellation cut one before it short; that cancellation
+    raised once the last has run (`end()`). A stop that runs in a cancelled task's cleanup (a
+    start's, a leg's) is cancelled again every CANCEL_AGAIN_S by the stop that waits on the task
+    (cancel_and_wait): raised where it came, it skipped what came after (a lease's revoke, a leg's
+    final chunk). `with steps:` around each step."""
+
+    def __init__(self) -> None:
+        self.cut: asyncio.CancelledError | None = None
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if isinstance(exc, asyncio.CancelledError):
+            self.cut = exc
+            return True
+        return False
+
+    def end(self) -> None:
+        """Raise the cancellation that came during a step, if one did."""
+        if self.cut is not None:
+            raise self.cut
 
 
 # what each background task's end stops (its owner's readiness names it: ended())

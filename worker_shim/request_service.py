@@ -89,7 +89,7 @@ from protocol import (
 )
 from protocol.hashing import chain_salt
 from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, ENGINE_HEADERS, UTILITY_ENDPOINTS
-from runtime import background, cancel_and_wait
+from runtime import StopSteps, background, cancel_and_wait
 from runtime.fd_limit import fd_limit
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
 from worker_shim.credit_check import reusable
@@ -426,18 +426,28 @@ class ChunkWriter:
         """The leg's last chunks. One that fails to go is said with its traceback, and the leg ends
         with a 500 `internal` final chunk instead: raised, it ended the leg's task silently ("Task
         exception was never retrieved"), heartbeats stopped, and the router, hearing nothing, took
-        the worker for unreachable (an engine's Retry-After past the encoder's bounds did it)."""
+        the worker for unreachable (an engine's Retry-After past the encoder's bounds did it).
+        A cancellation while its helpers are reaped (abort_all cancelling the leg again, past
+        CANCEL_AGAIN_S) is raised after the final chunk went: raised there, the chunk never went and
+        the router waited on silence."""
+        steps = StopSteps()
         try:
-            await self._final(finish_reason, usage, transfer, error, tokens, body)
-        except Exception as exc:
-            log.exception("request %s: its final chunk could not be sent; ending it with an error", self.request_id)
-            why = ErrorInfo(code=500, kind="internal", message=f"shim error: the final chunk failed: {exc!r}")
+            for helper, what in ((self._timer, "the coalescing timer"), (self._heartbeat, "the heartbeat")):
+                with steps:
+                    await _reap(helper, f"request {self.request_id}: {what}")
+            self._timer = self._heartbeat = None
             try:
-                await self._send(self._chunk([], final=True, error=why))
-            except Exception:
-                log.exception("request %s: its error chunk could not be sent either", self.request_id)
+                await self._final(finish_reason, usage, transfer, error, tokens, body)
+            except Exception as exc:
+                log.exception("request %s: its final chunk could not be sent; ending it with an error", self.request_id)
+                why = ErrorInfo(code=500, kind="internal", message=f"shim error: the final chunk failed: {exc!r}")
+                try:
+                    await self._send(self._chunk([], final=True, error=why))
+                except Exception:
+                    log.exception("request %s: its error chunk could not be sent either", self.request_id)
         finally:
             self.done = True
+        steps.end()
 
     async def _final(
         self,
@@ -448,9 +458,6 @@ class ChunkWriter:
         tokens: list[int] | None,
         body: bytes,
     ) -> None:
-        await _reap(self._timer, f"request {self.request_id}: the coalescing timer")
-        await _reap(self._heartbeat, f"request {self.request_id}: the heartbeat")
-        self._timer = self._heartbeat = None
         if self._flushing:
             await asyncio.wait(self._flushing)
         if (lost := self._lost) is not None:

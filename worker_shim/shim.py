@@ -1876,8 +1876,10 @@ class WorkerShim:
                     self.task_failures["orphan_check"] += 1
                     errors(exc)
         finally:
-            await cancel_and_wait(watch)
-            orphans.flush()  # a reason change held for its window's end, which no timer would say now
+            try:
+                await cancel_and_wait(watch)
+            finally:  # cancelled meanwhile (the shim's stop, again): raised after
+                orphans.flush()  # a reason change held for its window's end, which no timer would say now
 
     # --- stop -----------------------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ from discovery.lease import MIN_LEASE_TTL, Lease
 from kvswitch.servers import EtcdServer
 from protocol import RouterInfo, WorkerInfo, decode_json, subjects
 from protocol.config import EtcdSettings
+from runtime import cancel_and_wait
+from tests.lost_cancellation import never_answers
 
 
 async def _until(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -674,6 +676,42 @@ async def test_a_keep_alive_that_fails_with_its_revoke_waits_out_its_own_lease_a
         assert reg.state is RegistrationState.REGISTERED and reg.failure is None, reg.failure
         assert reg.lease.id != first and await d.holder(reg.key) == reg.lease.id
         assert await reg.stop()
+
+
+async def test_a_stop_cancelled_while_its_supervisor_runs_on_still_revokes_the_lease(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop within a stop: a registration stopped in a task's cleanup (a router's start that a
+    SIGTERM cancelled), which the stop waiting on that task cancels again past CANCEL_AGAIN_S while
+    the supervisor, its cancellation lost, runs on. That cancellation came in stop()'s wait on the
+    supervisor and the revoke after it never ran: the key stayed to its TTL (a review of
+    2026-12-07). The lease is revoked, then the cancellation raised."""
+    monkeypatch.setattr(runtime, "CANCEL_AGAIN_S", 0.3)  # 10 s in service
+    lost: list[str] = []
+
+    async def tick() -> bool:  # a call below the supervisor that drops one cancellation
+        await never_answers(lost, "tick")
+        return True
+
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=30)
+        await reg.start()
+        reg._tick = tick  # type: ignore[method-assign]
+        reg._wake.set()  # its next tick now
+        await asyncio.sleep(0.1)
+
+        async def owner() -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await reg.stop()
+
+        task = asyncio.create_task(owner())
+        await asyncio.sleep(0.05)
+        async with asyncio.timeout(10):
+            await cancel_and_wait(task)
+        assert lost == ["tick"] and task.cancelled()
+        assert await d.holder(reg.key) is None, "its lease was kept"
 
 
 async def test_a_stop_ends_a_supervisor_that_lost_its_cancellation(

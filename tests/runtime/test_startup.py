@@ -64,6 +64,25 @@ async def test_a_stop_first_ends_a_start_that_lost_its_cancellation(monkeypatch:
     assert started == [False] and lost == ["connect"]
 
 
+async def test_a_start_that_finished_though_cancelled_is_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start whose last call answered as the stop's cancellation came (lost below it) went on and
+    finished: the service was started, yet start_or_stop said False, and the CLIs returned 1
+    without stopping it, its lease kept to its TTL and its NATS connections undrained (a review of
+    2026-12-07). True now: its caller stops it as it stops one that serves."""
+    monkeypatch.setattr(runtime, "CANCEL_AGAIN_S", 0.2)  # 10 s in service
+    lost: list[str] = []
+    started: list[bool] = []
+
+    async def start() -> None:
+        await never_answers(lost, "register")
+        started.append(True)
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.05, stop.set)
+    assert await start_or_stop(start(), stop) is True
+    assert lost == ["register"] and started == [True]
+
+
 async def test_a_start_that_fails_raises_its_error() -> None:
     async def start() -> None:
         raise ValueError("no")

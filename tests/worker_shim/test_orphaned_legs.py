@@ -5,18 +5,25 @@ expiry would take it after a kill -9."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+from collections.abc import AsyncGenerator
+from typing import cast
 
 import pytest
 
+import runtime
 from discovery import Deleted, Discovery, Put, Snapshot
 from engine_sim.server import SimServer
 from kvswitch.etcd_auth import PING_KEY, EtcdUser, enable_auth, namespace_users
 from kvswitch.servers import EtcdServer
 from protocol import RouterInfo, subjects
 from protocol.config import EtcdSettings
+from runtime import cancel_and_wait
+from tests.lost_cancellation import never_answers
 from tests.worker_shim.cluster import connect, shim_for, sim_config, wait_for
 from tests.worker_shim.test_request_service import Collector, gen
+from worker_shim import WorkerShim
 from worker_shim.orphaned_legs import OrphanedLegs
 
 
@@ -257,3 +264,47 @@ async def test_a_reason_change_held_as_the_shim_stops_is_said_by_its_stop(
     assert (
         len(said) == 2 and "Expected `object`, got `array` (changes of its reason since it was last said: 1)" in said[1]
     )
+
+
+async def test_a_stop_waits_for_the_routers_watch_that_lost_its_cancellation_then_flushes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stop within a stop: the shim's stop cancels its orphan watchdog, whose end waits on the
+    routers' watch, the watch's etcd call having lost its cancellation. The stop cancelled the
+    watchdog again past CANCEL_AGAIN_S and the watchdog's wait (cancel_and_wait) raised at once: the
+    watch ran on past the stop, its stream's closing cut, and a reason change held for its window's
+    end was never said (orphans.flush() skipped; a review of 2026-12-07). The WARNING named the
+    watchdog, not the watch."""
+    monkeypatch.setattr(runtime, "CANCEL_AGAIN_S", 0.2)  # 10 s in service
+    lost: list[str] = []
+    closed: list[bool] = []
+
+    class Routers:
+        async def readable(self, prefix: str) -> bool:
+            return True
+
+        async def watch_routers(self) -> AsyncGenerator[Snapshot[RouterInfo], None]:
+            try:
+                while True:
+                    await never_answers(lost, "watch")
+                    yield Snapshot({}, 1)
+            finally:
+                await asyncio.sleep(0.1)  # its stream's closing, on the cancellation that ends it
+                closed.append(True)
+
+    parts = {"_discovery": Routers(), "ns": "t", "task_failures": collections.Counter()}
+    shim = cast(WorkerShim, type("Shim", (), parts)())  # what _follow_routers reads of a shim
+    orphans = _orphans(_Legs(), _Clock())
+    flushed: list[bool] = []
+    monkeypatch.setattr(orphans, "flush", lambda: flushed.append(True))
+    watchdog = asyncio.create_task(WorkerShim._follow_routers(shim, orphans), name="shim-routers")
+    await asyncio.sleep(0.05)  # the watch is in its call
+    with caplog.at_level(logging.WARNING, logger="runtime"):
+        await cancel_and_wait(watchdog)  # WorkerShim._stop's
+    assert lost == ["watch"] and closed == [True], "the stop ended before the routers' watch"
+    assert flushed == [True], "orphans.flush() was skipped"
+    said = [r.getMessage() for r in caplog.records if r.name == "runtime"]
+    assert said == [
+        "task shim-routers-watch ran on through its cancellation (lost below it): cancelled again 1 time(s) "
+        "before it ended"
+    ], said

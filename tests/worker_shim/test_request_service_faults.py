@@ -818,3 +818,36 @@ async def test_a_stop_ends_a_leg_whose_engine_call_lost_its_cancellation(
     await replies.settled()
     last = replies.chunks("r1")[-1]
     assert last.final and last.error is not None and last.error.kind == "shutdown", last
+
+
+async def test_a_stop_tells_the_client_though_the_legs_heartbeat_lost_its_cancellation(
+    nc: Nats, replies: Replies, ns: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stop within a stop: abort_all cancels the leg, whose final chunk waits on its heartbeat's
+    end, the heartbeat's publish having lost its cancellation. abort_all cancelled the leg again
+    past CANCEL_AGAIN_S, the heartbeat's wait (cancel_and_wait) raised at once, and the final chunk
+    never went: the router waited on silence (a review of 2026-12-07). The cancellation now goes on
+    to the heartbeat, and the final chunk goes; the WARNING names the heartbeat, not the leg."""
+    monkeypatch.setattr(runtime, "CANCEL_AGAIN_S", 0.2)  # 10 s in service
+    lost: list[str] = []
+
+    async def beat(self: ChunkWriter, period: float) -> None:  # a heartbeat publish that never answers
+        while True:
+            await never_answers(lost, "heartbeat")
+
+    monkeypatch.setattr(ChunkWriter, "_beat", beat)
+    engine = FakeEngine(tokens=1)
+    engine.release.clear()  # the engine call runs until the stop (cancellable as usual)
+    svc = service(nc, engine)
+    await send(replies, await serving(svc, ns), "r1", heartbeat_s=0.05)
+    await wait_for(lambda: engine.outputs == 1, what="the first token")
+    with caplog.at_level(logging.WARNING, logger="runtime"):
+        assert await ends_within(svc.drain(0), 5), "drain() still waits on its leg"
+    assert lost == ["heartbeat"] and not svc.inflight
+    await replies.settled()
+    last = replies.chunks("r1")[-1]
+    assert last.final and last.error is not None and last.error.kind == "shutdown", last
+    said = [r.getMessage() for r in caplog.records if r.name == "runtime"]
+    assert said == [
+        "task heartbeat-r1 ran on through its cancellation (lost below it): cancelled again 1 time(s) before it ended"
+    ], said
