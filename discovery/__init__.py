@@ -12,6 +12,7 @@ import os
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
+from discovery.advice import advice
 from discovery.lease import Lease, LeaseLost, LeaseState, renewal_interval
 from discovery.live_config import ConfigWatcher, put_config
 from discovery.registration import Registration, RegistrationState
@@ -32,6 +33,7 @@ __all__ = [
     "RegistrationState",
     "Snapshot",
     "WatchEvent",
+    "advice",
     "put_config",
     "renewal_interval",
 ]

@@ -11,6 +11,7 @@ Usage (a worker shim; a router registers its RouterInfo the same way)::
         name=None,                  # or a stable id (a subject token); the key is still leased
         on_lost=on_lost,            # async (old_id) -> None, awaited before registering anew
         on_registered=on_new,       # async (new_id) -> None, awaited after each re-registration
+        on_failing=failed,          # (DiscoveryError, retry_s) -> None: a try to register anew failed
         before_create=ready,        # async (id) -> None, awaited before the key is created
         claims=claim,               # (id) -> {key: Struct}: more keys under the same lease, each unique
     )
@@ -34,7 +35,11 @@ Loss: etcd's own answer (the lease expired or is unknown, e.g. the process stall
 someone revoked it), or the keep-alive loop failing on a defect (the lease revoked first). Then the
 owner hears `on_lost(old_id)`, a new lease is granted and the key created again (a new id, or the
 same `name`), retrying with backoff while etcd does not answer, and the owner hears
-`on_registered(new_id)`; `reg.id` is the new id from then on. If a named key was taken meanwhile
+`on_registered(new_id)`; `reg.id` is the new id from then on. Each try etcd fails meanwhile is
+told to `on_failing(error, seconds to the next try)` (a shim's episode: its log lines and /health);
+without it the registration says the first at WARNING with what to do (discovery.advice), then at
+most every SAID_EVERY_S with a count (until 2026-12-07 each try was a WARNING, every 5 s for as long
+as a full etcd refused it, each a multi-line gRPC error). If a named key was taken meanwhile
 (`failure` is KeyTaken, naming the holder), or an owner's hook raised, `failed` is set: the owner
 must act (stop, or start over with a new Registration). So it is when a keep-alive check finds the
 key or a claim held by another lease while ours lives: a live second owner of the name (etcd deletes
@@ -67,16 +72,18 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 
+from discovery.advice import advice
 from discovery.lease import Lease, LeaseState
 from discovery.session import DEFAULT_TTL, Discovery, DiscoveryError, KeyTaken
 from protocol import encode_json
-from runtime import StopSteps, TickErrors, background, cancel_and_wait
+from runtime import StopSteps, Throttle, TickErrors, background, cancel_and_wait
 
 __all__ = ["Registration", "RegistrationState"]
 
 log = logging.getLogger(__name__)
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
+SAID_EVERY_S = 30.0  # a re-registration failing, without an owner's on_failing
 
 
 class RegistrationState(enum.Enum):
@@ -103,6 +110,7 @@ class Registration:
         name: str | None = None,
         on_lost: Callable[[str], Awaitable[None]] | None = None,
         on_registered: Callable[[str], Awaitable[None]] | None = None,
+        on_failing: Callable[[DiscoveryError, float], None] | None = None,
         before_create: Callable[[str], Awaitable[None]] | None = None,
         claims: Callable[[str], Mapping[str, msgspec.Struct]] | None = None,
     ) -> None:
@@ -114,6 +122,7 @@ class Registration:
         self.name = name
         self._on_lost = on_lost
         self._on_registered = on_registered
+        self._on_failing = on_failing
         self._before_create = before_create
         self._claims = claims
         self.id = ""
@@ -127,6 +136,7 @@ class Registration:
         self._task: asyncio.Task[None] | None = None
         self._outages = 0  # the lease's outages the supervisor has seen end (a new lease's start at 0)
         self._tick_errors = TickErrors(log, "the registration's supervisor")
+        self._failing = Throttle(SAID_EVERY_S)  # the tries to register anew that etcd failed
 
     @property
     def state(self) -> RegistrationState:
@@ -343,6 +353,7 @@ class Registration:
     async def _reregister(self, lost: Lease) -> bool:
         old = self.id
         self._phase = RegistrationState.REREGISTERING
+        self._failing.forget(None)  # a loss's first failing try is said at once
         log.warning("lease %s of %s lost (%s): registering anew", lost.hex_id, self._key(old), lost.lost_reason)
         await self._discovery.release(lost)
         if self._on_lost is not None and not await self._tell(self._on_lost, old):
@@ -367,7 +378,7 @@ class Registration:
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, RETRY_MAX_S)
             except DiscoveryError as exc:
-                log.warning("registering %s again failed (%s); retrying in %.1fs", self._key(old), exc, retry)
+                self._retry_failed(old, exc, retry)
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, RETRY_MAX_S)
             except Exception as exc:  # the owner's before_create
@@ -376,6 +387,19 @@ class Registration:
         if self._on_registered is not None:
             return await self._tell(self._on_registered, self.id)
         return True
+
+    def _retry_failed(self, old: str, exc: DiscoveryError, retry_s: float) -> None:
+        """A try to register anew that etcd failed: told to the owner's on_failing, else said here."""
+        if self._on_failing is not None:
+            self._on_failing(exc, retry_s)
+            return
+        if (said := self._failing(None)) is None:
+            return
+        held, ago = said
+        more = f"; {held} more tries failed in {ago:.0f}s" if held else ""
+        hint = f": {what}" if (what := advice(exc)) else ""
+        log.warning("registering %s again failed (%s%s)%s; retrying at most %gs apart, said again at most every %.0fs",
+                    self._key(old), exc, more, hint, RETRY_MAX_S, SAID_EVERY_S)  # fmt: skip
 
     def _taken(self, exc: KeyTaken, what: str) -> None:
         """Another live lease holds our key or a claim: a second owner (the same name twice), which

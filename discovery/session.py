@@ -239,7 +239,7 @@ class Discovery:
         retrying or blaming the endpoints would not fix. Anything else, a later denial included (the
         role changed under a running process, whose retries go on), is a DiscoveryError."""
         if not isinstance(exc, EtcdPermissionDeniedError):
-            return DiscoveryError(f"{what} {key} failed: {exc}")
+            return DiscoveryError(f"{what} {key} failed: {said(exc)}")
         roles = {
             subjects.routers_prefix(self.ns): "router",
             subjects.workers_prefix(self.ns): "worker",
@@ -289,7 +289,7 @@ class Discovery:
         owner's `setting` that gave `ttl`, the lease revoked; with `setting` None (a TTL no operator
         chose) the lease etcd grants, its `ttl` the one to count, which the caller says."""
         assert self.client.lease is not None
-        with self._calling(lambda exc: DiscoveryError(f"lease grant failed: {exc}")):
+        with self._calling(lambda exc: DiscoveryError(f"lease grant failed: {said(exc)}")):
             resp = await self.client.lease.grant(ttl, timeout=5.0)
         lease = Lease(self.client, resp.ID, resp.TTL, self.token.renew if self.token is not None else None)
         if ttl != resp.TTL and setting is not None:
@@ -357,7 +357,7 @@ class Discovery:
         """The id of the lease holding `key` (0: a key put without one), or None when it does not exist."""
         kv = self.client.kv
         assert kv is not None
-        with self._calling(lambda exc: DiscoveryError(f"get {key} failed: {exc}")):
+        with self._calling(lambda exc: DiscoveryError(f"get {key} failed: {said(exc)}")):
             resp = await kv.get(key, timeout=5.0)
         return int(resp.kvs[0].lease) if resp.kvs else None
 

@@ -1,13 +1,19 @@
 """What a shim says of etcd failing it: a WARNING as an episode starts, the count at most every
 SAID_EVERY_S while it lasts, an INFO as it ends; /health's `etcd_why` while it lasts.
 
-Two episodes. `RegisterFailures`: registering fails for etcd (not answering, refusing a write),
-retried every health_interval_s within the session; until 2026-12-07 each try was a WARNING (about
-3,000 lines an hour of etcd down per shim) that named no flag and no end, and a new session, which
-asked the engine for a full replay of its KV events each time. `CutOff`: etcd has not renewed the
-lease for longer than its TTL, so where routers still reach etcd (the shim alone cut off from it)
-the key is gone and no new request comes; the shim serves on what it is sent, the legs in flight
-included. It said "serving" and nothing else (the router says as much of itself on /ready).
+Two episodes, each of one session: it ends with the session (WorkerShim._end_session), so what
+/health says is never of an earlier one (until a review of 2026-12-07 it said "registering with
+etcd fails for 49 s" while etcd was up and the engine down, the episode begun in a session since
+ended). `RegisterFailures`: registering fails for etcd (not answering, refusing a write), retried
+every health_interval_s within the session, or with backoff to register anew after the lease's
+loss (Registration's on_failing); until 2026-12-07 each try was a WARNING (about 3,000 lines an
+hour of etcd down per shim, a re-registration's every 5 s) that named no end, and a first
+registration's try a new session, which asked the engine for a full replay of its KV events each
+time. What to do is discovery.advice's: --etcd-endpoints only where etcd did not answer (it was
+named for a full etcd too). `CutOff`: etcd has not renewed the lease for longer than its TTL, so
+where routers still reach etcd (the shim alone cut off from it) the key is gone and no new request
+comes; the shim serves on what it is sent, the legs in flight included. It said "serving" and
+nothing else (the router says as much of itself on /ready).
 """
 
 from __future__ import annotations
@@ -16,49 +22,60 @@ import logging
 import time
 from collections.abc import Callable
 
-from discovery import DiscoveryError, Registration, RegistrationState
+from discovery import DiscoveryError, Registration, RegistrationState, advice
 from runtime import Throttle, clipped
 
 __all__ = ["SAID_EVERY_S", "CutOff", "RegisterFailures"]
 
 log = logging.getLogger(__name__)
 SAID_EVERY_S = 30.0
-_FLAG = "check --etcd-endpoints and the server"
 
 
 class RegisterFailures:
-    """The tries to register that etcd failed, from the first since the shim last registered."""
+    """The tries to register that etcd failed in this session, from the first since it registered."""
 
-    def __init__(self, retry_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.retry_s = retry_s
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.tries = 0  # failed tries of the episode under way; 0: none
         self.why = ""  # the last one's error
         self._since = 0.0
         self._clock = clock
         self._throttle = Throttle(SAID_EVERY_S, clock)
 
-    def failed(self, exc: DiscoveryError) -> None:
+    def failed(self, exc: DiscoveryError, retry_s: float) -> None:
+        """A try failed; the next comes in `retry_s`."""
         now = self._clock()
         if not self.tries:
             self._since = now
         self.tries += 1
-        self.why = clipped(str(exc))
+        hint = advice(exc)
+        self.why = clipped(f"{exc}: {hint}" if hint else str(exc))
         if self._throttle(None) is None:
             return
         if self.tries == 1:
             log.warning(
-                "registering with etcd failed (%s): retrying every %gs, said again every %.0fs while it fails and "
-                "once it works (%s)", self.why, self.retry_s, SAID_EVERY_S, _FLAG,
+                "registering with etcd failed (%s): retrying in %gs, said again every %.0fs while it fails and "
+                "once it works or the session ends", self.why, retry_s, SAID_EVERY_S,
             )  # fmt: skip
         else:
-            log.warning("registering with etcd still fails after %.0fs (%d tries; the last: %s; %s)",
-                        now - self._since, self.tries, self.why, _FLAG)  # fmt: skip
+            log.warning("registering with etcd still fails after %.0fs (%d tries; the last: %s)",
+                        now - self._since, self.tries, self.why)  # fmt: skip
 
     def registered(self) -> None:
         if self.tries:
             log.info("registered after %.1fs of etcd failing (%d tries)", self._clock() - self._since, self.tries)
-            self.tries, self.why = 0, ""
-            self._throttle.forget(None)
+            self._forget()
+
+    def session_ended(self) -> None:
+        """The session ends, registered or not: an episode under way ends with it, said, and the
+        next session's first failing try starts one anew."""
+        if self.tries:
+            log.info("registering with etcd failed for %.1fs (%d tries; the last: %s) until the session ended: "
+                     "the next one tries anew", self._clock() - self._since, self.tries, self.why)  # fmt: skip
+            self._forget()
+
+    def _forget(self) -> None:
+        self.tries, self.why = 0, ""
+        self._throttle.forget(None)
 
     def trouble(self) -> str:
         """What /health says of the episode under way; "" when none is."""
@@ -84,6 +101,11 @@ class CutOff:
             f"etcd has not renewed this worker's lease for {unrenewed:.0f} s (TTL {reg.ttl} s): where routers "
             "still reach etcd its key is gone and no new request comes here; the legs in flight run on"
         )
+
+    def session_ended(self) -> None:
+        """The session ends: its lease goes with it (revoked, or expiring), so an episode under way
+        ends unsaid, and the next session's lease is not compared with it."""
+        self._lease = ""
 
     def check(self, reg: Registration | None) -> None:
         """Say an episode's start and end (each health check: WorkerShim._monitor)."""

@@ -331,7 +331,7 @@ class WorkerShim:
         self.session_failures = 0  # sessions ended by an error no rule expected (logged at ERROR)
         self.task_failures = dict.fromkeys(TASKS, 0)  # each logged at ERROR with its traceback
         self.registration_count = 0
-        self.register_failures = RegisterFailures(self.config.health_interval_s)
+        self.register_failures = RegisterFailures()  # each session's: _end_session ends it
         self._cut_off = CutOff()
         self.norm_stats = NormaliserStats()
         self.kv_counters = PublisherCounters()
@@ -1251,13 +1251,13 @@ class WorkerShim:
                 name=self.config.worker_name,
                 on_lost=self._on_lease_lost,
                 on_registered=self._on_registered,
+                on_failing=self.register_failures.failed,  # /health says it while reregistering
                 before_create=self._before_announce,
                 claims=self._engine_claim,
             )
             while (worker := await self._register()) is None:
                 if not await self._register_again():
                     return
-            self.register_failures.registered()
             self._held_since = None
             await self._on_registered(worker)
             lost = await self._monitor()
@@ -1283,7 +1283,7 @@ class WorkerShim:
             if not self._held_may_free(exc):
                 raise self._taken(exc) from exc
         except DiscoveryError as exc:
-            self.register_failures.failed(exc)
+            self.register_failures.failed(exc, self.config.health_interval_s)
         return None
 
     async def _register_again(self) -> bool:
@@ -1537,6 +1537,7 @@ class WorkerShim:
         assert presence.publisher is not None, "its epoch started by _before_announce"
         self.worker_id = worker
         self.registration_count += 1
+        self.register_failures.registered()
         if self._registered_at is None:
             self._registered_at = time.monotonic()
         self.status = ShimStatus.REGISTERED
@@ -1802,6 +1803,8 @@ class WorkerShim:
         registration, self.registration = self.registration, None
         if registration is not None:
             await registration.stop()
+        self.register_failures.session_ended()  # after stop(): no try of the session's comes later
+        self._cut_off.session_ended()
         if self._stopping.is_set():  # the current id with the old ones: one short barrier for all
             presence, self._presence = self._presence, None
             await self._close_retired(also=presence, timeout=UNSUB_STOP_S)

@@ -9,17 +9,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import cast
 
+import grpc
 import pytest
+from etcd3aio import EtcdConnectionError
 
-from discovery import DiscoveryError
+from discovery import Discovery, DiscoveryError, Registration, RegistrationState
+from discovery import registration as registration_module
+from discovery.advice import NO_SPACE, UNANSWERED
+from discovery.lease import said
 from engine_sim.server import SimServer
 from kvswitch.servers import EtcdServer
+from protocol.config import EtcdSettings
+from tests.etcd_alarm import nospace_alarm
 from tests.relay import Relay
 from tests.worker_shim.cluster import shim_for, sim_config, wait_for
 from tests.worker_shim.test_http_server import health, scrape
 from worker_shim.adapters import EngineHealth
-from worker_shim.etcd_episodes import SAID_EVERY_S, RegisterFailures
+from worker_shim.etcd_episodes import SAID_EVERY_S, CutOff, RegisterFailures
 
 UNRENEWED = ("kvswitch_shim_lease_unrenewed_seconds", ())
 
@@ -36,31 +45,111 @@ def _said(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord
     return [r for r in caplog.records if text in r.getMessage()]
 
 
+def _failed(cause: BaseException) -> DiscoveryError:
+    """A DiscoveryError raised from an etcd call's error, as Discovery raises it."""
+    try:
+        raise DiscoveryError(f"lease grant failed: {said(cause)}") from cause
+    except DiscoveryError as exc:
+        return exc
+
+
+UNAVAILABLE = _failed(EtcdConnectionError("Lease.Grant failed after 3 attempts: UNAVAILABLE"))
+WHY = "lease grant failed: EtcdConnectionError: Lease.Grant failed after 3 attempts: UNAVAILABLE"
+FULL = _failed(
+    grpc.aio.AioRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details="etcdserver: mvcc: database space exceeded",
+    )
+)
+
+
 def test_a_registration_failing_is_said_once_then_counted_every_30_s_then_its_end(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="worker_shim.etcd_episodes")
     clock = _Clock()
-    failures = RegisterFailures(1.2, clock)
+    failures = RegisterFailures(clock)
     for _ in range(25):  # 25 tries, 1.2 s apart: 28.8 s
-        failures.failed(DiscoveryError("lease grant failed: UNAVAILABLE"))
+        failures.failed(UNAVAILABLE, 1.2)
         clock.now += 1.2
     [first] = [r.getMessage() for r in caplog.records]
-    assert first.startswith("registering with etcd failed (lease grant failed: UNAVAILABLE): retrying every 1.2s")
-    assert "--etcd-endpoints" in first
-    assert failures.trouble() == "registering with etcd fails for 30 s (25 tries): lease grant failed: UNAVAILABLE"
-    failures.failed(DiscoveryError("lease grant failed: UNAVAILABLE"))  # 30 s after the first
+    assert first.startswith(f"registering with etcd failed ({WHY}: {UNANSWERED}): retrying in 1.2s")
+    assert failures.trouble() == f"registering with etcd fails for 30 s (25 tries): {WHY}: {UNANSWERED}"
+    failures.failed(UNAVAILABLE, 1.2)  # 30 s after the first
     assert caplog.records[-1].getMessage() == (
-        "registering with etcd still fails after 30s (26 tries; the last: lease grant failed: UNAVAILABLE; check "
-        "--etcd-endpoints and the server)"
+        f"registering with etcd still fails after 30s (26 tries; the last: {WHY}: check --etcd-endpoints and the "
+        "server)"
     )
     clock.now += SAID_EVERY_S / 2
     failures.registered()
     assert caplog.records[-1].getMessage() == "registered after 45.0s of etcd failing (26 tries)"
     assert len(caplog.records) == 3 and failures.trouble() == ""
     failures.registered()  # no episode: nothing to say
-    failures.failed(DiscoveryError("again"))  # a new episode is said at once
+    failures.failed(UNAVAILABLE, 1.2)  # a new episode is said at once
     assert len(caplog.records) == 4 and caplog.records[-1].getMessage().startswith("registering with etcd failed")
+
+
+def test_etcd_answering_and_refusing_is_said_in_its_words_without_blaming_the_endpoints(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A full etcd (its NOSPACE alarm) was a five-line gRPC repr and "check --etcd-endpoints"."""
+    caplog.set_level(logging.INFO, logger="worker_shim.etcd_episodes")
+    failures = RegisterFailures(_Clock())
+    failures.failed(FULL, 0.2)
+    [first] = [r.getMessage() for r in caplog.records]
+    why = f"lease grant failed: RESOURCE_EXHAUSTED: etcdserver: mvcc: database space exceeded: {NO_SPACE}"
+    assert first.startswith(f"registering with etcd failed ({why}): retrying in 0.2s"), first
+    assert "--etcd-endpoints" not in first and "\n" not in first
+    assert failures.trouble().endswith(why)
+
+
+def test_an_episode_ends_with_its_session(caplog: pytest.LogCaptureFixture) -> None:
+    """The next session's registration is timed from its own tries (it said "registered after 51.7s
+    of etcd failing" where etcd was down 12 s, the engine down between the sessions)."""
+    caplog.set_level(logging.INFO, logger="worker_shim.etcd_episodes")
+    clock = _Clock()
+    failures = RegisterFailures(clock)
+    failures.session_ended()  # no episode: nothing to say
+    for _ in range(3):
+        failures.failed(UNAVAILABLE, 1.0)
+        clock.now += 1.0
+    failures.session_ended()
+    assert caplog.records[-1].getMessage() == (
+        f"registering with etcd failed for 3.0s (3 tries; the last: {WHY}: {UNANSWERED}) until the session ended: "
+        "the next one tries anew"
+    )
+    assert failures.trouble() == ""
+    clock.now += 40.0  # the engine down, no session
+    failures.registered()  # the next session's first try: no episode to end
+    assert len(caplog.records) == 2
+    failures.failed(UNAVAILABLE, 1.0)  # a new one is said at once
+    assert caplog.records[-1].getMessage().startswith("registering with etcd failed (")
+
+
+class _Reg:
+    """What CutOff reads of a Registration."""
+
+    def __init__(self, lease: int, unrenewed_s: float | None) -> None:
+        self.ttl = 2
+        self.id = f"{lease:x}"
+        self.lease = SimpleNamespace(hex_id=f"{lease:x}")
+        self.unrenewed_s = unrenewed_s
+        self.state = RegistrationState.UNKNOWN if unrenewed_s is not None else RegistrationState.REGISTERED
+
+
+def test_a_cut_off_ends_unsaid_with_its_session(caplog: pytest.LogCaptureFixture) -> None:
+    """A later session's lease was said to end the cut-off of an earlier one ("lease X was gone,
+    registered anew"), though that session had ended and its lease with it."""
+    caplog.set_level(logging.INFO, logger="worker_shim.etcd_episodes")
+    cut_off = CutOff()
+    cut_off.check(cast(Registration, _Reg(0xA, 5.0)))
+    [warned] = [r.getMessage() for r in caplog.records]
+    assert warned.startswith("etcd has not renewed this worker's lease for 5 s (TTL 2 s)")
+    cut_off.session_ended()
+    cut_off.check(cast(Registration, _Reg(0xB, None)))  # the next session's lease
+    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
 
 
 @pytest.fixture
@@ -137,3 +226,66 @@ async def test_a_shim_cut_off_from_a_live_etcd_past_its_ttl_says_its_key_is_gone
         status, body = await health(shim.http.url)
         assert status == 200 and body["etcd_why"] == "" and body["lease_unrenewed_s"] is None, body
         assert (await scrape(shim.http.url))[UNRENEWED] == 0
+
+
+async def test_registering_anew_into_a_full_etcd_is_one_episode_on_health(
+    ns: str, nats_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost lease that etcd would not let register anew (its quota full) was a WARNING each try,
+    0.2 s doubling to 5 s, and /health said "reregistering" and nothing of etcd (22 lines in 90 s)."""
+    monkeypatch.setattr(registration_module, "RETRY_MAX_S", 0.1)  # many tries in a short test
+    caplog.set_level(logging.INFO)
+    with EtcdServer() as etcd:  # its own: the alarm refuses every client's writes
+        async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd.url) as shim:
+            await wait_for(shim.registered.is_set, what="registered")
+            first = shim.worker_id
+            assert shim.registration is not None and shim.registration.lease is not None
+            nospace_alarm(etcd, "ACTIVATE")
+            async with Discovery(EtcdSettings(endpoints=[etcd.url]), ns) as d:
+                assert d.client.lease is not None
+                await d.client.lease.revoke(shim.registration.lease.id)  # the lease lost (etcd takes a revoke)
+            await wait_for(lambda: shim.register_failures.tries >= 8, 15, "8 tries")
+            status, body = await health(shim.http.url)
+            nospace_alarm(etcd, "DEACTIVATE")
+            await wait_for(lambda: shim.registered.is_set() and shim.worker_id != first, 15, "registered anew")
+    assert status == 503 and body["registration"] == "reregistering", body
+    why = str(body["etcd_why"])
+    assert why.startswith("registering with etcd fails for") and "database space exceeded" in why, body
+    assert why.endswith(NO_SPACE) and "--etcd-endpoints" not in why, body
+    assert not _said(caplog, "again failed"), "the old line, once per try"
+    [said_once] = _said(caplog, "registering with etcd failed")
+    assert said_once.levelno == logging.WARNING and "\n" not in said_once.getMessage()
+    assert len(_said(caplog, "registered after")) == 1
+
+
+async def test_registering_failing_ends_with_its_session(
+    relay: Relay, ns: str, nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd down, then the engine down (the session ends), etcd back, the engine back: /health said
+    "registering with etcd fails for 49 s" while etcd was up and the engine down, and the next
+    session "registered after 51.7s of etcd failing" where etcd was down 12 s."""
+    caplog.set_level(logging.INFO)
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, f"http://127.0.0.1:{relay.port}")
+        async with shim:
+            relay.accepting = False  # etcd gone for this shim before its session registers
+            relay.cut()
+            up = True
+            checked = shim.adapter.health
+
+            async def engine_health() -> EngineHealth:
+                return await checked() if up else EngineHealth.DOWN
+
+            shim.adapter.health = engine_health  # type: ignore[method-assign]
+            await wait_for(lambda: shim.register_failures.tries >= 3, what="3 tries")
+            up = False  # the engine goes down: the session ends
+            await wait_for(lambda: bool(_said(caplog, "waiting for the vllm engine")), what="the session's end")
+            relay.accepting = True  # etcd back while the engine is down
+            status, body = await health(shim.http.url)
+            up = True
+            await wait_for(shim.registered.is_set, what="registered by the next session")
+    assert status == 503 and body["etcd_why"] == "", body
+    [ended] = _said(caplog, "until the session ended")
+    assert ended.getMessage().startswith("registering with etcd failed for ") and ended.levelno == logging.INFO
+    assert not _said(caplog, "registered after"), "the next session registered at its first try"
+    assert shim.sessions == 2

@@ -39,6 +39,7 @@ from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, 
 from tests.worker_shim.test_http_server import health
 from tests.worker_shim.test_request_service import Collector, gen
 from worker_shim import ShimStatus, WorkerShim
+from worker_shim.etcd_episodes import CutOff, RegisterFailures
 from worker_shim.shim import UNSUB_STOP_S, _Presence
 
 
@@ -352,6 +353,7 @@ async def test_a_stop_with_nats_frozen_closes_every_worker_id_under_one_short_ba
         shim._stopping.set()
         shim.requests = None
         shim.registration = None
+        shim.register_failures, shim._cut_off = RegisterFailures(), CutOff()
         shim._events_task = None
         shim._tokenizer_retry = None
         shim.events = SimpleNamespace(close=lambda keep_retest: None)  # type: ignore[assignment]
