@@ -513,6 +513,12 @@ def _sync_counters(s: SyncStats) -> Iterator[Metric]:
         s.send_failures,
     )
     yield CounterMetricFamily(
+        "kvswitch_router_sync_too_large",
+        "This router's requests whose booking (or an entry of it) alone is over the NATS server's max_payload: "
+        "never sent to peers, nor in snapshots (the rest of the flush and snapshot are), so peers do not count them",
+        s.too_large,
+    )
+    yield CounterMetricFamily(
         "kvswitch_router_sync_peer_bookings_expired",
         "Peer routers' bookings dropped for age (peer_ttl_s), no snapshot naming them: each is a free that never "
         "arrived from a router that sends no snapshot, or a peer whose snapshots stopped arriving",

@@ -17,7 +17,8 @@ subscribed again, and each of them held the booking for `peer_ttl_s`. So every `
 replica that publishes at all ends a flush with a snapshot of its own live bookings
 (`RouterSync.snapshot`, an addition to DESIGN.md's sync: docs/decisions.md), taken as the flush's
 entries leave the view and split over parts of at most `_PART_BOOKINGS`, fewer where a part would be
-over the NATS server's max_payload (entries are split so too); NATS keeps one connection's order,
+over the NATS server's max_payload (entries are split so too; an entry or booking over it alone is
+left out, said once per request, and the rest goes out); NATS keeps one connection's order,
 so a peer reads it after every entry sent before it. The peer books what it names and is missing
 (a lost add), corrects what it holds in another state (a lost prefill_done), and, once every part
 of it came in order, drops that router's bookings held at its part 0 that it left out and no add
@@ -126,7 +127,7 @@ _PART_BOOKINGS = 500
 """Bookings in one snapshot part at most (~50 KB): fewer where that is over the NATS server's
 max_payload. A peer reads a part in well under a millisecond and gives its loop a turn between
 messages (runtime.turns), so a large snapshot never holds a peer's loop for long."""
-_T = TypeVar("_T")
+_T = TypeVar("_T", SyncEntry, SyncBooking)
 _DEPARTED_MEMORY = 1024
 _LOGGED_SENDERS = 64  # unregistered senders named in the log; a forger minting ids gets no more lines
 _LOGGED_MALFORMED = 64  # (peer, slot)s whose malformed messages are logged, at a time
@@ -169,6 +170,7 @@ class SyncStats:
     snapshots_taken: int = 0  # peers' snapshots that came whole and in order: each swept
     snapshots_incomplete: int = 0  # peers' snapshots with a part missing or out of order: nothing dropped
     healed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HEALED, 0))  # bookings, by HEALED
+    too_large: int = 0  # this router's requests whose booking or entry alone is over max_payload: never sent
 
 
 @dataclass(slots=True)
@@ -185,7 +187,7 @@ class _Sweep:
 
 
 class _TooLarge(Exception):
-    """One entry or booking alone makes a message over the NATS server's max_payload."""
+    """A message with no entry or booking in it is over the NATS server's max_payload."""
 
 
 def _said(taken: tuple[int, list[bytes]] | None) -> str:
@@ -226,6 +228,8 @@ class ReplicaSync:
         self._snapshot_s = snapshot_s
         self._snapshot_due = False  # the next flush ends with a snapshot of our bookings
         self._snapshot_seq = 0
+        # our requests whose booking or entry was too large for any message, said; those still held
+        self._too_large: set[str] = set()
         self._sweeps: dict[str, _Sweep] = {}
         self._caught_up: set[str] = set()  # peers one of whose snapshots was read whole: a later one's add heals
         # per peer, what its snapshots named on a worker with no report here, since its last whole one began
@@ -378,21 +382,11 @@ class ReplicaSync:
         if not self._sent and self._registered is not None and not self._registered - {self.router_id}:
             return  # no peer to tell: a router that registers later learns our bookings from our first snapshot
         step = _MESSAGE_ENTRIES
-        taken: tuple[int, list[bytes]] | None = None
-        try:
-            messages = self._fitted(
-                [entries[i : i + step] for i in range(0, len(entries), step)],
-                self._entries,
-                f"the {len(entries)} entries",
-            )
-            if snapshot:
-                taken = self._snapshot()  # taken now, with no await since the swap: as these entries leave the view
-        except _TooLarge as exc:
-            self.stats.send_failures += 1
-            log.warning(
-                "router sync: %d entries%s not sent (%s)", len(entries), " and a snapshot" if snapshot else "", exc
-            )
-            return
+        chunks = [entries[i : i + step] for i in range(0, len(entries), step)]
+        # an entry too large for any message is left out (said), not the flush's other entries
+        messages = [(payload, sent) for payload, sent in self._fitted(chunks, self._entries) if sent]
+        # taken now, with no await since the swap: as these entries leave the view
+        taken = self._snapshot() if snapshot else None
         messages += [(payload, 0) for payload in taken[1]] if taken is not None else []
         for i, (payload, sent) in enumerate(messages):
             try:
@@ -422,31 +416,54 @@ class ReplicaSync:
             snapshot = SyncSnapshot(seq=seq, part=part, parts=parts, bookings=bookings)
             return encode_msg(RouterSync(router=self.router_id, entries=[], snapshot=snapshot))
 
+        self._too_large &= {booking.request_id for booking in held}  # said again only if booked anew
         chunks = [held[i : i + step] for i in range(0, len(held), step)] or [[]]
-        return len(held), [payload for payload, _ in self._fitted(chunks, part, f"the snapshot's {len(held)} bookings")]
+        return len(held), [payload for payload, _ in self._fitted(chunks, part)]
 
-    def _fitted(
-        self, chunks: list[list[_T]], encode: Callable[[int, int, list[_T]], bytes], what: str
-    ) -> list[tuple[bytes, int]]:
+    def _fitted(self, chunks: list[list[_T]], encode: Callable[[int, int, list[_T]], bytes]) -> list[tuple[bytes, int]]:
         """Each chunk as `encode(part, parts, chunk)` and its length, those over the NATS server's
         max_payload split in halves until each fits (as dispatch refuses a leg over it: nats-py
-        would refuse the publish)."""
+        would refuse the publish). An entry or booking over it alone is left out (its part goes
+        empty) and said: it cannot be sent, and the rest can."""
         limit = self._nc.max_payload
         while True:
             payloads = [encode(part, len(chunks), chunk) for part, chunk in enumerate(chunks)]
             over = {part for part, payload in enumerate(payloads) if len(payload) > limit}
             if not over:
                 return [(payload, len(chunk)) for payload, chunk in zip(payloads, chunks, strict=True)]
-            if too_large := [part for part in over if len(chunks[part]) <= 1]:
-                raise _TooLarge(
-                    f"one of {what} makes a message of {len(payloads[too_large[0]])} bytes alone, over the NATS "
-                    f"server's payload limit of {limit} bytes (its max_payload setting)"
-                )
-            chunks = [
-                half
-                for part, chunk in enumerate(chunks)
-                for half in ((chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]) if part in over else (chunk,))
-            ]
+            fitted: list[list[_T]] = []
+            for part, chunk in enumerate(chunks):
+                if part not in over:
+                    fitted.append(chunk)
+                elif len(chunk) > 1:
+                    fitted += [chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]]
+                elif chunk:
+                    self._left_out(chunk[0], len(payloads[part]), limit)
+                    fitted.append([])
+                else:
+                    raise _TooLarge(
+                        f"a message of no entry is {len(payloads[part])} bytes, over the NATS server's payload "
+                        f"limit of {limit} bytes (its max_payload setting)"
+                    )
+            chunks = fitted
+
+    def _left_out(self, item: SyncEntry | SyncBooking, size: int, limit: int) -> None:
+        """An entry or booking of ours too large for any message: peers never hear of the request
+        (its add could not go either), so they do not count it in its worker's load. Said and
+        counted once per request while it is held; the rest of its flush and snapshot go out."""
+        if item.request_id in self._too_large:
+            return
+        self._too_large.add(item.request_id)
+        self.stats.too_large += 1
+        log.warning(
+            "router sync: the booking of request %r on worker %r makes a message of %d bytes alone, over the NATS "
+            "server's payload limit of %d bytes (its max_payload setting): not sent to peer routers, nor in "
+            "snapshots, so they do not count it in that worker's load (the rest is sent; said once per request)",
+            clipped(item.request_id),
+            clipped(item.worker),
+            size,
+            limit,
+        )
 
     async def _snapshots(self) -> None:
         while True:

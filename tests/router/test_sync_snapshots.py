@@ -300,7 +300,10 @@ async def test_snapshots_and_entries_fit_a_servers_small_max_payload(caplog: pyt
     """A nats-server whose max_payload holds about 150 bookings: entries and snapshot parts go in
     messages that fit it. Until the review of 599ce22 a part was sized by count alone, and every
     snapshot of more than that failed with 'router sync: 0 entries and a snapshot not sent'. One
-    booking too large for any message stops the snapshot, said naming its size and the limit."""
+    booking too large for any message is left out of its flush and of the snapshots, said once
+    naming its size and the limit, and the rest goes out: until the review of d6602b0 it stopped
+    the whole flush (50 entries beside it never sent) and every snapshot while it was held (a lost
+    free never healed)."""
     caplog.set_level(logging.WARNING, logger="router.replica_sync")
     with SmallNats(16_384) as server:
         nca, ncb = await nats.connect(server.url), await nats.connect(server.url)
@@ -321,20 +324,33 @@ async def test_snapshots_and_entries_fit_a_servers_small_max_payload(caplog: pyt
             assert sum(parts.entries) == 600 and len(parts.entries) > 3  # the one flush's entries too
             assert any(sum(got) == 600 and len(got) > 3 for got in parts.whole())
             a.add("huge", "w" * 17_000, 1, 1)
-            await until(lambda: a.stats.send_failures == 2, timeout=HEAL_S, what="its add and a snapshot refused")
+            a._snapshot_due = True  # this flush ends with a snapshot, as one does each period
+            for i in range(50):
+                a.add(f"more-{i}", "w1", 10, 1)
+            await until(lambda: b.view.bookings("w1") == 650, what="the 50 entries beside the huge one reached b")
+            async with missed_by(b, ncb, "small"):
+                a.free("cmpl-" + "0" * 32 + "#0")
+                await until(lambda: a.stats.entries_sent == 651, what="a sent the free")
+            sent = a.stats.snapshots_sent
+            await until(lambda: b.view.bookings("w1") == 649, timeout=HEAL_S, what="a's snapshot healed the free")
+            assert b.stats.healed == {"added": 0, "dropped": 1, "state": 0}
+            await until(lambda: a.stats.snapshots_sent >= sent + 3, timeout=HEAL_S, what="more snapshots")
+            assert a.view.bookings("w" * 17_000) == 1 and b.view.bookings("w" * 17_000) == 0
+            assert (a.stats.too_large, a.stats.send_failures) == (1, 0)
         finally:
             await a.stop()
             await b.stop()
             await nca.close()
             await ncb.close()
-    limit = r"bytes alone, over the NATS server's payload limit of 16384 bytes \(its max_payload setting\)\)"
     said = [r.getMessage() for r in caplog.records]
-    entry = r"router sync: 1 entries not sent \(one of the 1 entries makes a message of 17\d\d\d "
-    assert re.fullmatch(entry + limit, said[0]), said
-    snapshot = (
-        r"router sync: 0 entries and a snapshot not sent \(one of the snapshot's 601 bookings makes a message of "
+    assert len(said) == 2, said  # the huge booking once, over its flush and every snapshot; the heal
+    huge = (
+        r"router sync: the booking of request 'huge' on worker 'w{997}\.\.\.' makes a message of 17\d\d\d bytes alone, "
+        r"over the NATS server's payload limit of 16384 bytes \(its max_payload setting\): not sent to peer routers, "
+        r"nor in snapshots, so they do not count it in that worker's load \(the rest is sent; said once per request\)"
     )
-    assert re.fullmatch(snapshot + r"17\d\d\d " + limit, said[1]), said
+    assert re.fullmatch(huge, said[0]), said
+    assert said[1].startswith("router sync: snapshots of peer router ra healed 1 booking(s) dropped"), said
 
 
 async def test_a_healthy_fleet_under_steady_load_heals_nothing(
