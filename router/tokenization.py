@@ -9,9 +9,10 @@ else `tokenizer_config.json`'s `chat_template`, else `chat_template.json`); of n
 rendered with jinja2 in a sandbox the way
 transformers renders it (its `tojson`, `raise_exception`, `strftime_now`, the `generation` tag,
 `continue_final_message`). The special tokens the tokenizer's config names and tokenizer.json lacks
-are added at load, as transformers adds them (router.special_tokens); a config naming a Llama class
-gets LlamaTokenizer's own pipeline over tokenizer.json's vocabulary where transformers builds that
-class, and a WARNING where it builds one the router cannot (router.tokenizer_class). Without `--tokenizer` the
+are added at load, as transformers adds them (router.special_tokens); where transformers builds a
+class with a pipeline of its own (LlamaTokenizer, CodeLlamaTokenizer, Qwen2Tokenizer, GemmaTokenizer)
+that pipeline is built over tokenizer.json's vocabulary, and a WARNING is said where it builds one
+the router cannot (router.tokenizer_class). Without `--tokenizer` the
 router has the built-in tokenizer, which only engine_sim speaks.
 
 Whether the router's tokenizer is a worker's is decided by fingerprints (protocol.fingerprint):
@@ -64,7 +65,7 @@ from router.eligibility import NAMED_AT_MOST, few_ids
 from router.fingerprint_days import FingerprintDays
 from router.fleet_lines import FleetLines, FleetLog, LastSaid
 from router.special_tokens import SpecialTokensError, read_special_tokens
-from router.tokenizer_class import AS_IS, LLAMA, LLAMA_DEFAULTS, TokenizerClassError, class_for, rebuild_as_llama
+from router.tokenizer_class import AS_IS, REBUILT, TokenizerClassError, bos_post_processor, class_for, rebuild
 
 __all__ = [
     "OFFLOAD_CHARS",
@@ -242,29 +243,43 @@ class HfPromptTokenizer:
         self.caveat: str | None = None
         try:
             built = class_for(str(path), config, folder)
-            if built == LLAMA:
-                # transformers 5 builds LlamaTokenizer from the vocabulary with its own pipeline
-                self._tok = rebuild_as_llama(file, self._tok, config)
         except TokenizerClassError as exc:
             raise TokenizerError(exc.what, exc.why) from exc
-        rebuilt = built == LLAMA
-        if rebuilt:
+        own = REBUILT.get(built)
+        try:
+            specials = read_special_tokens(
+                folder, config, added, own.defaults if own else None, own is not None, own.extras if own else ()
+            )
+        except SpecialTokensError as exc:
+            raise TokenizerError(exc.what, exc.why) from exc
+        if own is not None:
+            # transformers 5 builds the class from the vocabulary with its own pipeline
+            try:
+                self._tok = rebuild(built, file, self._tok, config, specials.spellings)
+            except TokenizerClassError as exc:
+                raise TokenizerError(exc.what, exc.why) from exc
             log.info(
-                "%s names %s: its tokenizer is built from %s's vocabulary and merges with LlamaTokenizer's own "
-                "pipeline, as transformers 5 (so vLLM) builds it (router.tokenizer_class)",
+                "%s names %s: its tokenizer is built from %s's vocabulary and merges with %s's own pipeline, as "
+                "transformers 5 (so vLLM) builds it (router.tokenizer_class)",
                 folder / "tokenizer_config.json",
                 config["tokenizer_class"],
                 file,
+                built,
             )
         elif built != AS_IS:
+            named = config["tokenizer_class"]
+            by_type = (
+                f" and {folder / 'config.json'} the model type of {built}"
+                if named.removesuffix("Fast") != built
+                else ""
+            )
             self.caveat = (
-                f"{folder / 'tokenizer_config.json'} names {config['tokenizer_class']} and {folder / 'config.json'} "
-                f"the model type of {built}, which transformers 5 (so vLLM) builds in its place from {file}'s "
-                "vocabulary with that class's own pipeline, where this router takes the file's as saved; ids may "
-                "differ. Where they do, every worker serving this tokenizer is refused text prompts by fingerprint "
-                "(token-id prompts still route), and no other --tokenizer mends it: save the tokenizer as the "
-                f"engine loads it (transformers' AutoTokenizer.from_pretrained, then save_pretrained) and give the "
-                "router that"
+                f"{folder / 'tokenizer_config.json'} names {named}{by_type}, which transformers 5 (so vLLM) builds "
+                f"with that class's own pipeline (over {file}'s vocabulary, or from files of its own), where this "
+                "router takes the file's as saved; ids may differ. Where they do, every worker serving this "
+                "tokenizer is refused text prompts by fingerprint (token-id prompts still route), and no other "
+                "--tokenizer mends it: save the tokenizer as the engine loads it (transformers' "
+                "AutoTokenizer.from_pretrained, then save_pretrained) and give the router that"
             )
             log.warning("%s", self.caveat)
         # The file's `truncation` and `padding` sections (save_pretrained writes them after a call
@@ -275,13 +290,14 @@ class HfPromptTokenizer:
         self.name = str(path)
         # transformers' flag: special tokens' spellings in a text are encoded as plain text
         self._tok.encode_special_tokens = config.get("split_special_tokens") is True
-        try:
-            specials = read_special_tokens(folder, config, added, LLAMA_DEFAULTS if rebuilt else None, rebuilt)
-        except SpecialTokensError as exc:
-            raise TokenizerError(exc.what, exc.why) from exc
         # transformers adds the special tokens the config names and tokenizer.json lacks (vLLM's ids
         # have them); their spellings are what the template sees
         self._tok.add_tokens(specials.to_add)
+        if own is not None and own.bos_only:
+            try:
+                self._tok.post_processor = bos_post_processor(self._tok, specials.spellings.get("bos_token"))
+            except TokenizerClassError as exc:
+                raise TokenizerError(exc.what, exc.why) from exc
         self._specials = specials.spellings
         self._specials.setdefault("bos_token", "")
         self._specials.setdefault("eos_token", "")
