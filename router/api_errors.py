@@ -23,6 +23,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from router.client_buffers import bound_unsent
 from router.leg import LegError
 from router.metrics import RouterMetrics
 from router.planner import PlanError
@@ -272,6 +273,7 @@ class _JsonErrorServer(web.Server):
 
     def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
+        bound_unsent(transport)  # what its kernel holds unsent (router.client_buffers)
         if self.client_connections is not None:
             self.client_connections.made(handler)
 

@@ -54,8 +54,8 @@ the leg ends with a `final` chunk or an `error` one.
 - a client that reads a stream slower than its worker writes it: the chunks waiting for it are
   bounded (MAX_QUEUED_BYTES); past that the leg ends at once with a 408 `slow_reader` LegError, is
   cancelled on its worker and its queue dropped, rather than the whole answer piling up here. So
-  is the stream furthest behind when all the replica's clients hold more than its budget
-  (router.client_buffers, --client-buffer-mib).
+  is the stream furthest behind (its client idle longest) when all the replica's clients hold more
+  than its budget (router.client_buffers, --client-buffer-mib).
 - a leg whose request's deadline has passed is not sent: a 504 `deadline_passed` LegError, the
   client's "the request's deadline passed" (a stall of this router's loop). Until 2026-12-07 it
   went out with a negative budget, for its shim to answer 504 a round trip later. A leg that fails
@@ -509,9 +509,10 @@ class Dispatcher:
         the leg ends now and is cancelled there, rather than its whole answer piling up here."""
         self._legs.pop(leg.token, None)  # its later chunks are dropped
         self.slow_readers += 1
+        idle = time.monotonic() - leg.taken_at
         why = f"the client read the stream too slowly: {leg.queued} bytes of it were waiting, " + (
-            f"the most of any client's when the router's clients held more than its budget of "
-            f"{self.buffers.budget} bytes (--client-buffer-mib)"
+            f"the client had taken none for {idle:.1f}s, the furthest behind of the router's clients when they "
+            f"held more than its budget of {self.buffers.budget} bytes (--client-buffer-mib)"
             if over_budget
             else f"over the router's limit of {MAX_QUEUED_BYTES}"
         )

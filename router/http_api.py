@@ -38,7 +38,9 @@ and its request as in flight until then. A streaming client that reads slower th
 writes falls behind by at most router.dispatch.MAX_QUEUED_BYTES: then its leg is cancelled and the
 stream ends with a 408 error event. All clients together are held to one budget
 (router.client_buffers): past it, the stream furthest behind is cut alike, or the whole answer
-holding the most has its connection aborted (counted 408); an answer larger than it is a 503.
+furthest behind has its connection aborted (counted 408). A whole answer goes out in slices, so it
+counts only what its client has not taken; one that would take the total over it while the others'
+clients read is a 503 with Retry-After, one larger than it a 400 saying what the client can change.
 
 Draining (`Drain`, on SIGTERM): the listener stays open while the requests in flight finish; a new
 request (anything but /health, /ready and /metrics) is a 503 with Retry-After and Connection:
@@ -54,7 +56,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +84,7 @@ from router.api_errors import (
     unsupported_media_type,
 )
 from router.api_keys import ApiKeys
-from router.client_buffers import HeldAnswer
+from router.client_buffers import ROOM_RETRY_S, SLICE_BYTES, HeldAnswer
 from router.dispatch import Job
 from router.expectations import ExpectRoutes, expectations, send_continue
 from router.leg import LegError
@@ -195,20 +197,46 @@ def _route_headers(job: Job, ids: _Ids, timing: _Timing, *, shown: bool) -> dict
     return headers
 
 
-def _with_route(parts: list[bytes], route: dict[str, Any] | None) -> bytes:
+def _with_route(parts: list[bytes], route: dict[str, Any] | None) -> list[bytes]:
     """The engine's JSON object, in the pieces it came in, with the router's `kvswitch` member added
-    as its last one (`route`; none when None): one copy of the body (trimmed, sliced and
-    concatenated whole, it was copied five times on the loop: 0.42 s for 150 MB)."""
+    as its last one (`route`; none when None): no copy of the body but its last piece (trimmed,
+    sliced and concatenated whole, it was copied five times on the loop: 0.42 s for 150 MB), and
+    each piece can be let go once written (_slices)."""
     body = list(parts)
     _rstrip(body)
     if not body or not body[-1].endswith(b"}"):
         raise ApiError(502, "the worker's answer is not a JSON object")
     if route is None:
-        return b"".join(body)
+        return body
     body[-1] = body[-1][:-1]
     _rstrip(body)
     sep = b"" if body and body[-1].endswith(b"{") else b","
-    return b"".join([*body, sep, b'"kvswitch":', _JSON.encode(route), b"}"])
+    return [*body, sep, b'"kvswitch":', _JSON.encode(route), b"}"]
+
+
+def _slices(pieces: list[bytes]) -> Iterator[bytes | memoryview]:
+    """A whole answer's `pieces` in writes of about SLICE_BYTES (small pieces joined, a large one
+    cut), taken off the list as they go so that each piece is let go once written."""
+    pieces.reverse()
+    batch: list[bytes] = []
+    batched = 0
+    while pieces:
+        piece = pieces.pop()
+        if batched + len(piece) <= SLICE_BYTES:
+            batch.append(piece)
+            batched += len(piece)
+            continue
+        if batch:
+            yield b"".join(batch)
+            batch, batched = [], 0
+        if len(piece) < SLICE_BYTES:
+            batch, batched = [piece], len(piece)
+            continue
+        view = memoryview(piece)
+        for at in range(0, len(view), SLICE_BYTES):
+            yield view[at : at + SLICE_BYTES]
+    if batch:
+        yield b"".join(batch)
 
 
 def _rstrip(parts: list[bytes]) -> None:
@@ -587,8 +615,8 @@ class _Handlers:
                             sent = resp.status
                             broke = bool(why)  # the client got an error event, or nothing more
                         else:
-                            resp = await self._whole(job, ids, timing, shown)
-                            status, why = await self._write_whole(request, job, resp)
+                            resp, body = await self._whole(job, ids, timing, shown)
+                            status, why = await self._write_whole(request, job, resp, body)
                             sent, broke = resp.status, bool(why)  # its head went out before it failed
                 finally:
                     self.path.release(job)  # a no-op once its stream ended
@@ -614,7 +642,8 @@ class _Handlers:
                 self.path.metrics.count_request(endpoint, status)
                 self.path.tracer.answered(span, status if sent is None else sent, why, broke=broke)
 
-    async def _whole(self, job: Job, ids: _Ids, timing: _Timing, shown: bool) -> web.Response:
+    async def _whole(self, job: Job, ids: _Ids, timing: _Timing, shown: bool) -> tuple[web.StreamResponse, list[bytes]]:
+        """The answer's head (its Content-Length set) and its body's pieces, for _write_whole."""
         parts: list[bytes] = []
         try:
             async for chunk in self.path.stream(job, timing.start):
@@ -623,33 +652,51 @@ class _Handlers:
         except LegError as exc:
             raise _failed_before_output(job.request.request_id, exc) from exc
         body = _with_route(parts, _route_info(job) if shown else None)
-        headers = _route_headers(job, ids, timing, shown=shown)
-        return web.Response(body=body, headers=headers, content_type="application/json")
+        resp = web.StreamResponse(headers=_route_headers(job, ids, timing, shown=shown))
+        resp.content_type = "application/json"
+        resp.content_length = sum(map(len, body))
+        return resp, body
 
-    async def _write_whole(self, request: web.Request, job: Job, resp: web.Response) -> tuple[int, str]:
+    async def _write_whole(
+        self, request: web.Request, job: Job, resp: web.StreamResponse, body: list[bytes]
+    ) -> tuple[int, str]:
         """Write a whole answer (its Content-Length kept) in the handler, as a stream's last write
         is: the code it counts as and why it failed. Returned unwritten, aiohttp wrote it after the
         handler had counted it a 200, waiting for the client for ever: one that stopped reading held
-        its body (25 MB for 16k prompt_logprobs) past any deadline (client-fault audit). Its body is
-        held under the replica's budget for its clients until then (router.client_buffers): ended
-        over it, it is aborted, counted 408 as a stream cut for its slow reader is."""
+        its body (25 MB for 16k prompt_logprobs) past any deadline (client-fault audit).
+
+        It is held under the replica's budget for its clients (router.client_buffers) from before
+        its head goes out, and written in slices, each counted off as its client takes it: in one
+        write it counted whole until its last byte was taken, so any answer over a stream's 8 MiB
+        was the first cut over the budget, its client reading it or not (bufrev audit). Ended over
+        the budget, it is aborted, counted 408 as a stream cut for its slow reader is."""
         buffers = self.path.dispatcher.buffers
         size = resp.content_length or 0
-        if not buffers.fits(size):  # refused before its head goes out
-            buffers.cuts["answer"] += 1
+        if not buffers.fits(size):  # refused before its head goes out, and not retried as a 5xx is
+            buffers.cuts["refused"] += 1
             raise ApiError(
-                503,
-                f"the answer is {size} bytes, more than the router holds for all its clients at once "
-                f"({buffers.budget} bytes, --client-buffer-mib)",
+                400,
+                f"the answer is {size} bytes, more than this router holds for all its clients at once "
+                f"({buffers.budget} bytes, its operator's --client-buffer-mib): ask for fewer logprobs or "
+                "prompt_logprobs or a smaller max_tokens, or stream it (stream=true)",
             )
-        held: HeldAnswer | None = None
+        held = buffers.hold(size)  # released in the finally, however the handler ends
         try:
-            held = await buffers.hold(size)
-            await resp.prepare(request)
-            # Always under a timer, not _sent's: web.Response holds its head until write_eof, so a
-            # body just under the high-water mark passed _sent's no-timer test and waited for ever.
+            if not await buffers.admit(held):
+                raise ApiError(
+                    503,
+                    f"the router holds its budget of {buffers.budget} bytes for clients taking their "
+                    f"answers (--client-buffer-mib), with no room for this one's {size} bytes",
+                    retry_after_s=ROOM_RETRY_S,
+                )
+            # Always under a timer, not _sent's: the head waits for the first write, so a body
+            # just under the high-water mark passed _sent's no-timer test and waited for ever.
             async with asyncio.timeout(job.deadline - time.monotonic()) as timer:
                 held.watch(timer)
+                await resp.prepare(request)
+                for piece in _slices(body):
+                    await resp.write(piece)  # over 64 KiB: waits for the transport to drain
+                    buffers.taken(held, len(piece))
                 await resp.write_eof()
             return 200, ""
         except TimeoutError:
@@ -661,10 +708,9 @@ class _Handlers:
             _abort(request)
             return 503, SHUT_DOWN
         finally:
-            if held is not None:
-                buffers.release(held)
-        if held is not None and held.ended:
-            return 408, _abort_over_budget(request, job, held.size, buffers.budget)
+            buffers.release(held)
+        if held.ended:
+            return 408, _abort_over_budget(request, job, held, buffers.budget)
         return 504, _abort_unread(request, job, "answer")
 
     async def _stream(
@@ -793,14 +839,16 @@ def _abort_unread(request: web.Request, job: Job, what: str) -> str:
     return f"the client stopped reading its {what} until the request's deadline: its connection was aborted"
 
 
-def _abort_over_budget(request: web.Request, job: Job, size: int, budget: int) -> str:
+def _abort_over_budget(request: web.Request, job: Job, held: HeldAnswer, budget: int) -> str:
     """A whole answer ended while it was written, as the replica's clients held more than its budget
     (router.client_buffers): its connection is aborted; why, for its span."""
     _abort(request)
     rid = job.request.request_id
+    idle = time.monotonic() - held.taken_at
     why = (
-        f"the client had not taken its answer's {size} bytes, the most of any client's when the router's clients "
-        f"held more than its budget of {budget} bytes (--client-buffer-mib): its connection was aborted"
+        f"the client had {held.queued} bytes of its answer left to take and had taken none for {idle:.1f}s, the "
+        f"furthest behind of the router's clients when they held more than its budget of {budget} bytes "
+        "(--client-buffer-mib): its connection was aborted"
     )
     log.info("request %s: %s", rid, why, extra={"request_id": rid})
     return why

@@ -187,6 +187,9 @@ class Leg:
         self.resumed_at = 0.0  # time.monotonic() of the last ask
         self._items: deque[tuple[ResponseChunk | LegError, int]] = deque()  # with its size on the wire
         self.queued = 0  # bytes waiting in _items
+        # when its reader last came for a chunk or was waiting for one (router.client_buffers: how
+        # far behind its client is)
+        self.taken_at = time.monotonic()
         # A stream's queue is held for its client, under the replica's budget (router.client_buffers);
         # a whole answer's leg is read as it comes
         self._buffers = owner.buffers if request.stream else None
@@ -209,6 +212,7 @@ class Leg:
             self._buffers.held += size
         waiter = self._waiter
         if waiter is not None and not waiter.done():
+            self.taken_at = self.heard_at  # its reader was waiting for it: behind by nothing
             waiter.set_result(None)
 
     def drop(self, error: LegError) -> None:
@@ -264,7 +268,9 @@ class Leg:
         Chunks lost on the way (a NATS node died under the stream: a seq gap, or silence after the
         first token) are asked for again (GenerateRequest.resume) up to MAX_RESUMES times; copies
         of chunks already read are dropped."""
-        until = time.monotonic() + deadline_s
+        now = time.monotonic()
+        self.taken_at = now  # its reader came for more: what it read went to its client
+        until = now + deadline_s
         while True:
             if not self._items:
                 left = until - time.monotonic()

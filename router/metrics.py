@@ -128,13 +128,13 @@ class _StateCollector(Collector):
         yield CounterMetricFamily(
             "kvswitch_router_slow_readers",
             "Streams cut because their client read too slowly: their queued chunks passed the router's limit, or "
-            "were the most of any stream's when its clients held more than its budget",
+            "they were furthest behind when its clients held more than its budget",
             s.slow_readers,
         )
         yield GaugeMetricFamily(
             "kvswitch_router_client_buffered_bytes",
-            "Bytes held for clients: streamed chunks they have not taken yet and whole answers being written to "
-            "them, under the budget kvswitch_router_client_buffer_budget_bytes (--client-buffer-mib)",
+            "Bytes held for clients: streamed chunks they have not taken yet and what is left to write of whole "
+            "answers, under the budget kvswitch_router_client_buffer_budget_bytes (--client-buffer-mib)",
             s.client_buffered,
         )
         yield GaugeMetricFamily(
@@ -145,11 +145,12 @@ class _StateCollector(Collector):
         cuts = CounterMetricFamily(
             "kvswitch_router_client_buffer_cuts",
             "Held for clients past the budget: streams cut furthest behind (stream; counted in "
-            "kvswitch_router_slow_readers_total too) and whole answers ended while written or refused as larger "
-            "than the budget (answer)",
+            "kvswitch_router_slow_readers_total too), whole answers ended while written, their clients having "
+            "taken nothing for a while (answer), and whole answers refused before their head: larger than the "
+            "budget, or no room while the other clients took theirs (refused)",
             labels=["what"],
         )
-        for what in ("answer", "stream"):
+        for what in ("answer", "refused", "stream"):
             cuts.add_metric([what], s.client_buffer_cuts.get(what, 0))
         yield cuts
         yield CounterMetricFamily(

@@ -317,14 +317,16 @@ async def test_a_whole_answer_just_under_the_high_water_mark_keeps_its_deadline(
             while True:  # the kernel's send buffer full, the transport's own empty
                 os.write(fd, b"x" * 65536)
         _, high = request.transport.get_write_buffer_limits()  # type: ignore[union-attr]
-        resp = web.Response(body=b"y" * (high - 300), headers={"x-pad": "p" * 300})
+        body = [b"y" * (high - 300)]
+        resp = web.StreamResponse(headers={"x-pad": "p" * 300})
+        resp.content_length = len(body[0])
         job = SimpleNamespace(deadline=time.monotonic() + 0.5, request=SimpleNamespace(request_id="r1"))
         buffers = ClientBuffers(1 << 30, tuple, lambda leg: asyncio.sleep(0))
         this = SimpleNamespace(
             drain=SimpleNamespace(ended=lambda: False),
             path=SimpleNamespace(dispatcher=SimpleNamespace(buffers=buffers)),
         )
-        result["r"] = await asyncio.wait_for(_Handlers._write_whole(this, request, job, resp), 5)  # type: ignore[arg-type]
+        result["r"] = await asyncio.wait_for(_Handlers._write_whole(this, request, job, resp, body), 5)  # type: ignore[arg-type]
         return resp
 
     app = web.Application()
