@@ -128,6 +128,9 @@ class Registration:
         self.id = ""
         self.lease: Lease | None = None
         self.registrations = 0
+        # whether stop() revoked the lease, set before it raises a cancellation that came meanwhile;
+        # None until then, or where that cancellation cut the revoke itself
+        self.revoked: bool | None = None
         self.failed = asyncio.Event()
         self.failure: DiscoveryError | None = None
         self._phase = RegistrationState.NEW
@@ -178,18 +181,20 @@ class Registration:
 
     async def stop(self) -> bool:
         """Stop supervising and revoke the lease; whether it is gone (none held counts): False when etcd
-        did not revoke it (a WARNING says why), its keys then kept until its TTL passes."""
+        did not revoke it (a WARNING says why), its keys then kept until its TTL passes. Cancelled while
+        the supervisor ends, it revokes still and raises after: `revoked` says how the revoke went."""
         task, self._task = self._task, None
+        self.revoked = None
         steps = StopSteps()  # cancelled while the supervisor ends, the lease is revoked still
         if task is not None:
             with steps:
                 # a crash of it was said as it came (and failed the registration): the lease goes anyway
                 await cancel_and_wait(task)
         lease, self.lease = self.lease, None
-        revoked = lease is None or await self._discovery.release(lease)
+        self.revoked = lease is None or await self._discovery.release(lease)
         self._phase = RegistrationState.STOPPED
         steps.end()
-        return revoked
+        return self.revoked
 
     def revoke_now(self, timeout: float = 1.0) -> None:
         """Revoke the lease without the event loop, within about `timeout` (Lease.revoke_now): for a

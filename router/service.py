@@ -689,12 +689,14 @@ class RouterService:
         registration, self._registration = self._registration, None
         if registration is not None:
             failure: Exception | None = None
-            revoked: bool | None = None  # None: cut short by a cancellation, which is raised at the end
             with steps:
                 try:
-                    revoked = await registration.stop()  # revokes the RouterInfo lease: peers forget our bookings
+                    await registration.stop()  # revokes the RouterInfo lease: peers forget our bookings
                 except Exception as exc:  # a bug: said with its traceback, and the rest of the stop goes on
-                    revoked, failure = False, exc
+                    failure = exc
+            # read, not returned: a cancellation while its supervisor ended is raised after the revoke
+            # went, and None is a revoke itself cut short (the cancellation raised at the end)
+            revoked = False if failure is not None else registration.revoked
             if revoked is False:
                 log.error(
                     "revoking router %s's lease failed (%s): peers keep its bookings, and workers its legs, until "

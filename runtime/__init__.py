@@ -231,7 +231,9 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any], again_s: float | None = Non
     at once, a stop that ran in a cancelled task's cleanup (a leg's heartbeat reaped before its final
     chunk) was cut off by the stop waiting on that task, when it cancelled again: the rest of that
     cleanup never ran. A cancellation that a cancel_and_wait above passes down so (its again_s
-    passed) counts against the tasks it reaches, not the task that waits on them.
+    passed) counts against the tasks it reaches, not the task that waits on them. So a timeout
+    around it (`asyncio.timeout`, `wait_for`) bounds nothing: its cancellation is passed on, and it
+    fires once the tasks ended (run_service's drain limit bounds a process's stop).
 
     Their outcomes are retrieved, not raised: a crash was said as it came (background()), or is read
     from the task by a caller whose own error it is (task.result())."""
@@ -304,7 +306,11 @@ class StopSteps:
     raised once the last has run (`end()`). A stop that runs in a cancelled task's cleanup (a
     start's, a leg's) is cancelled again every CANCEL_AGAIN_S by the stop that waits on the task
     (cancel_and_wait): raised where it came, it skipped what came after (a lease's revoke, a leg's
-    final chunk). `with steps:` around each step."""
+    final chunk). `with steps:` around each step.
+
+    Each later step runs after a cut, so a timeout around the whole stop (`asyncio.timeout`,
+    `wait_for`) fires only once the last step ran: it bounds no step. Bound each step on its own
+    where a bound matters; a process's stop is bounded by run_service's drain limit."""
 
     def __init__(self) -> None:
         self.cut: asyncio.CancelledError | None = None

@@ -429,7 +429,10 @@ class ChunkWriter:
         the worker for unreachable (an engine's Retry-After past the encoder's bounds did it).
         A cancellation while its helpers are reaped (abort_all cancelling the leg again, past
         CANCEL_AGAIN_S) is raised after the final chunk went: raised there, the chunk never went and
-        the router waited on silence."""
+        the router waited on silence. A second call is a bug (RuntimeError): its chunk would come after
+        the final one its router ended the leg on."""
+        if self.done:
+            raise RuntimeError(f"request {self.request_id}: its final chunk went already")
         steps = StopSteps()
         try:
             for helper, what in ((self._timer, "the coalescing timer"), (self._heartbeat, "the heartbeat")):
@@ -1014,25 +1017,30 @@ class RequestService:
         answer in the final chunk's body, or its refusal."""
         state.running = True
         try:
-            if state.cancelled or state.ended is not None:
-                raise asyncio.CancelledError  # asked before this task took its first step
-            remaining = None if req.deadline is None else req.deadline - time.time()
-            async with asyncio.timeout(remaining):
-                raw = await self.adapter.call(req.endpoint, {**req.params, "model": req.model})
+            try:
+                if state.cancelled or state.ended is not None:
+                    raise asyncio.CancelledError  # asked before this task took its first step
+                remaining = None if req.deadline is None else req.deadline - time.time()
+                async with asyncio.timeout(remaining):
+                    raw = await self.adapter.call(req.endpoint, {**req.params, "model": req.model})
+            except TimeoutError:
+                await writer.final(error=ErrorInfo(code=504, kind="deadline", message="the request's deadline passed"))
+                return
+            except EngineError as exc:
+                await writer.final(error=_error_info(exc))
+                return
+            except asyncio.CancelledError:
+                if state.orphaned:
+                    await writer.final(error=_ORPHANED)
+                    return
+                if state.cancelled:
+                    await writer.final(finish_reason="abort")
+                    return
+                await writer.final(error=state.ended or _SHUTDOWN)
+                raise
+            # out of the handlers: a cancellation while it reaps its helpers is raised after the
+            # answer went (ChunkWriter.final), not answered with a second final chunk
             await writer.final(body=raw)
-        except TimeoutError:
-            await writer.final(error=ErrorInfo(code=504, kind="deadline", message="the request's deadline passed"))
-        except EngineError as exc:
-            await writer.final(error=_error_info(exc))
-        except asyncio.CancelledError:
-            if state.orphaned:
-                await writer.final(error=_ORPHANED)
-                return
-            if state.cancelled:
-                await writer.final(finish_reason="abort")
-                return
-            await writer.final(error=state.ended or _SHUTDOWN)
-            raise
         finally:
             self._end(state)
             self.remember(writer)

@@ -12,6 +12,7 @@ import pytest
 
 import runtime
 from runtime import cancel_and_wait
+from tests.lost_cancellation import ends_within
 
 
 async def _swallows(times: int, ticks: list[int]) -> None:
@@ -34,8 +35,7 @@ async def test_a_task_that_loses_its_cancellations_is_cancelled_until_it_ends(
     task = asyncio.create_task(_swallows(lost, ticks), name="supervisor")
     await asyncio.sleep(0.05)
     with caplog.at_level(logging.WARNING, logger="runtime"):
-        async with asyncio.timeout(10):
-            await cancel_and_wait(task, again_s=0.05)
+        assert await ends_within(cancel_and_wait(task, again_s=0.05), 10)
     assert task.cancelled()
     said = [r.getMessage() for r in caplog.records if r.name == "runtime"]
     if lost:
@@ -122,8 +122,7 @@ async def test_a_stop_within_a_stop_is_not_cut_off_and_names_the_task_that_ran_o
     task = asyncio.create_task(outer(), name="outer")
     await asyncio.sleep(0.05)
     with caplog.at_level(logging.WARNING, logger="runtime"):
-        async with asyncio.timeout(10):
-            await cancel_and_wait(task, again_s=0.2)
+        assert await ends_within(cancel_and_wait(task, again_s=0.2), 10)
     assert task.cancelled() and inner.cancelled() and ended == [True]
     said = [r.getMessage() for r in caplog.records if r.name == "runtime"]
     assert said == [
@@ -141,8 +140,7 @@ async def test_a_group_is_cancelled_until_each_ends_and_each_that_ran_on_is_name
     await asyncio.sleep(0.05)
     try:
         with caplog.at_level(logging.WARNING, logger="runtime"):
-            async with asyncio.timeout(10):
-                await cancel_and_wait(*tasks, again_s=0.05)
+            assert await ends_within(cancel_and_wait(*tasks, again_s=0.05), 10)
     finally:
         for task in tasks:  # one by one: not left looping into the loop's close, should the group fail
             await cancel_and_wait(task, again_s=0.05)

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import re
 import time
+import types
 from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
@@ -21,6 +22,7 @@ from nats.errors import OutboundBufferLimitError
 import runtime
 from kvswitch.servers import NatsServer
 from protocol import GenerateRequest, ResponseChunk, SamplingParams, Usage, decode_msg, encode_msg, subjects
+from protocol.messages import ENDPOINT_TOKENIZE, CancelRequest
 from runtime.nats_flush import flush
 from tests.lost_cancellation import ends_within, never_answers
 from tests.worker_shim.cluster import wait_for
@@ -851,3 +853,45 @@ async def test_a_stop_tells_the_client_though_the_legs_heartbeat_lost_its_cancel
     assert said == [
         "task heartbeat-r1 ran on through its cancellation (lost below it): cancelled again 1 time(s) before it ended"
     ], said
+
+
+class CallEngine(FakeEngine):
+    async def call(self, endpoint: str, body: dict[str, Any]) -> bytes:
+        await asyncio.sleep(0.15)  # its heartbeat beats meanwhile
+        return b'{"tokens": [1, 2, 3]}'
+
+
+async def test_a_cancel_during_a_utility_calls_final_chunk_sends_one_final_chunk(
+    nc: Nats, replies: Replies, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client's cancel while a utility call's final chunk reaps its heartbeat: the final chunk
+    with the answer went (ChunkWriter.final raises the cancellation after it), and the call's own
+    `except CancelledError` then sent a second final chunk, an abort (a review of 2026-12-07)."""
+    monkeypatch.setattr(runtime, "CANCEL_AGAIN_S", 2.0)  # 10 s in service: the cancel comes first
+    lost: list[str] = []
+
+    async def beat(self: ChunkWriter, period: float) -> None:  # a heartbeat publish slow to take its cancel
+        while True:
+            await never_answers(lost, "heartbeat")
+
+    monkeypatch.setattr(ChunkWriter, "_beat", beat)
+    svc = service(nc, CallEngine())
+    await send(replies, await serving(svc, ns), "r1", heartbeat_s=0.05, endpoint=ENDPOINT_TOKENIZE)
+    await wait_for(lambda: lost == ["heartbeat"], what="the final chunk's reap of the heartbeat")
+    await svc.on_cancel(cast(Msg, types.SimpleNamespace(data=encode_msg(CancelRequest(request_id="r1")))))
+    await ended(svc)
+    await replies.settled()
+    finals = [(c.finish_reason, c.error, c.body) for c in replies.chunks("r1") if c.final]
+    assert finals == [(None, None, b'{"tokens": [1, 2, 3]}')], finals
+    assert dict(svc.outcomes) == {("agg", "ok"): 1}
+
+
+async def test_a_second_final_chunk_is_refused(nc: Nats, replies: Replies) -> None:
+    svc = service(nc)
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
+    await writer.final(finish_reason="length")
+    with pytest.raises(RuntimeError, match="request r1: its final chunk went already"):
+        await writer.final(finish_reason="abort")
+    await replies.settled()
+    assert [c.finish_reason for c in replies.chunks("r1") if c.final] == ["length"]
+    assert dict(svc.outcomes) == {("agg", "ok"): 1}
