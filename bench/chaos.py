@@ -44,6 +44,7 @@ import msgspec
 
 from bench.flag_numbers import check_non_negative, check_positive
 from bench.results_file import ResultsFile, fresh_path
+from bench.stop_signals import held
 from discovery import Discovery, put_config
 from kvswitch.client import Completion, CompletionClient
 from kvswitch.cluster import ClusterSpec, LocalCluster
@@ -410,7 +411,10 @@ def run_scenario(
     settle_s: float = 8.0,
     speedup: float = 5.0,
     seed: int = 0,
+    keep: Callable[[ChaosResult], None] = lambda r: None,
 ) -> ChaosResult:
+    """One scenario on a cluster of its own, its result given to `keep` before the cluster stops: a
+    signal that stops the run there (held to the stop's end, bench.stop_signals) loses nothing."""
     speedup = scenario.speedup or speedup
     if scenario.capacity_factor is not None:
         rate = scenario.capacity_factor * fleet_capacity(4, scenario.prompt_tokens or 1024, speedup)
@@ -423,9 +427,12 @@ def run_scenario(
     try:
         cluster.start()
         cluster.wait_ready(timeout=90)
-        return asyncio.run(_measure(scenario, cluster, rate, warmup_s, window_s, settle_s, seed))
+        result = asyncio.run(_measure(scenario, cluster, rate, warmup_s, window_s, settle_s, seed))
+        keep(result)
     finally:
-        cluster.stop()
+        with held():
+            cluster.stop()
+    return result
 
 
 def format_table(results: list[ChaosResult]) -> str:
@@ -489,11 +496,10 @@ def run(args: argparse.Namespace) -> int:
     with saved.kept_on_failure("kvswitch bench chaos"):
         for name in names:
             print(f"[chaos {name}] {SCENARIOS[name].what}", file=sys.stderr, flush=True)
-            saved.add(
-                run_scenario(
-                    SCENARIOS[name], rate=args.rate, warmup_s=args.warmup, window_s=args.window, settle_s=args.settle
-                )
-            )
+            run_scenario(
+                SCENARIOS[name], rate=args.rate, warmup_s=args.warmup, window_s=args.window, settle_s=args.settle,
+                keep=saved.add,
+            )  # fmt: skip
             print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(format_table(results))
     for r in results:

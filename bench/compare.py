@@ -39,6 +39,7 @@ import msgspec
 from bench.peers import PEERS, Peer, PeerProcess
 from bench.process_pool import process_pool
 from bench.replay import replay
+from bench.stop_signals import held
 from bench.summary import PrefixCounters, Slo, Summary, scrape_prefix_counters, summarize
 from bench.trace import TokenSynth
 from bench.virtual.delays import DEFAULT_DELAYS, Delays
@@ -178,7 +179,15 @@ async def _measure(
     return summary, ttfts
 
 
-def run_one(spec: CompareSpec, config: Configuration, rate: float, run: int) -> Measurement:
+def _drop(m: Measurement) -> None:
+    """A measurement no one keeps as it lands (run_one's, _measure_one's default)."""
+
+
+def run_one(
+    spec: CompareSpec, config: Configuration, rate: float, run: int, keep: Callable[[Measurement], None] = _drop
+) -> Measurement:
+    """One live measurement, given to `keep` before its cluster stops: a signal that stops the run
+    there (held to the stop's end, bench.stop_signals) loses nothing measured."""
     started = time.monotonic()
     cluster = LocalCluster(_cluster_spec(spec, config))
     peer: PeerProcess | None = None
@@ -196,11 +205,16 @@ def run_one(spec: CompareSpec, config: Configuration, rate: float, run: int) -> 
             urls = cluster.router_urls
         setup = time.monotonic() - started
         summary, ttfts = asyncio.run(_measure(spec, rate, cluster, urls, peer=peer is not None))
+        measured = Measurement(
+            configuration=config.name, rate=rate, run=run, summary=summary, ttft_s=ttfts, setup_s=setup
+        )
+        keep(measured)
     finally:
-        if peer is not None:
-            peer.stop()
-        cluster.stop()
-    return Measurement(configuration=config.name, rate=rate, run=run, summary=summary, ttft_s=ttfts, setup_s=setup)
+        with held():
+            if peer is not None:
+                peer.stop()
+            cluster.stop()
+    return measured
 
 
 def fleet_spec(spec: CompareSpec, config: Configuration, run: int) -> FleetSpec:
@@ -242,12 +256,18 @@ def run_virtual(spec: CompareSpec, config: Configuration, rate: float, run: int)
     )
 
 
-def _measure_one(job: tuple[CompareSpec, Configuration, float, int]) -> Measurement:
+def _measure_one(
+    job: tuple[CompareSpec, Configuration, float, int], keep: Callable[[Measurement], None] = _drop
+) -> Measurement:
+    """One job's measurement, given to `keep` as it lands (a pool's worker has none: the caller keeps
+    what it returns)."""
     spec, config, rate, run = job
     print(f"[{config.name} rate x{rate:g} run {run + 1}/{spec.runs}]", file=sys.stderr, flush=True)
-    if spec.clock == "virtual":
-        return run_virtual(spec, config, rate, run)
-    return run_one(spec, config, rate, run)
+    if spec.clock != "virtual":
+        return run_one(spec, config, rate, run, keep)
+    measured = run_virtual(spec, config, rate, run)
+    keep(measured)
+    return measured
 
 
 def check_prefill_engines(
@@ -301,20 +321,20 @@ def run_compare(spec: CompareSpec, *, on_measurement: Callable[[Measurement], No
     every configuration at the first rate."""
     check_spec(spec)
     jobs = [(spec, c, rate, run) for rate in spec.rates for run in range(spec.runs) for c in spec.configurations]
-    out = []
-    if spec.clock == "virtual" and spec.jobs > 1 and len(jobs) > 1:
-        with process_pool(min(spec.jobs, len(jobs))) as pool:
-            measured = pool.map(_measure_one, jobs)
-            for m in measured:
-                out.append(m)
-                if on_measurement is not None:
-                    on_measurement(m)
-        return out
-    for job in jobs:
-        m = _measure_one(job)
+    out: list[Measurement] = []
+
+    def keep(m: Measurement) -> None:
         out.append(m)
         if on_measurement is not None:
             on_measurement(m)
+
+    if spec.clock == "virtual" and spec.jobs > 1 and len(jobs) > 1:
+        with process_pool(min(spec.jobs, len(jobs))) as pool:
+            for m in pool.map(_measure_one, jobs):
+                keep(m)
+        return out
+    for job in jobs:
+        _measure_one(job, keep)
     return out
 
 

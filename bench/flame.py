@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.stop_signals import held
+
 __all__ = [
     "IDLE",
     "ROUTER_RULES",
@@ -190,6 +192,10 @@ class Recording:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        with held():  # a signal raised in it left py-spy running, its output unwritten
+            self._stop()
+
+    def _stop(self) -> None:
         for proc in self._procs:  # py-spy writes its output on SIGINT
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)

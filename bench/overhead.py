@@ -81,6 +81,7 @@ from bench.flame import (
 from bench.peers import PEERS, Peer, PeerProcess, missing_binaries
 from bench.replay import RequestResult, replay
 from bench.results_file import ResultsFile, fresh_path
+from bench.stop_signals import held
 from bench.trace import TokenSynth
 from bench.workloads import WorkItem
 from kvswitch.cluster import ClusterSpec, LocalCluster
@@ -377,9 +378,10 @@ def run_overhead(spec: OverheadSpec, *, on_phase: Callable[[Phase], None] = lamb
                         phases.append(phase)
                         on_phase(phase)
     finally:
-        for process in peers:
-            process.stop()
-        cluster.stop()
+        with held():  # each phase is kept as it lands (on_phase)
+            for process in peers:
+                process.stop()
+            cluster.stop()
     return phases
 
 

@@ -51,6 +51,7 @@ from bench.overhead import (
     reset_prefix_caches,
     run_client,
 )
+from bench.stop_signals import held
 from kvswitch.cluster import ClusterSpec, LocalCluster
 
 __all__ = ["ReplicaSpec", "add_replicas_parser", "predicted_cpu", "project", "r_max", "replicas_main"]
@@ -111,7 +112,8 @@ class _Cluster:
             self.cluster.start()
             self.cluster.wait_ready(timeout=90)
         except BaseException:
-            self.cluster.stop()
+            with held():
+                self.cluster.stop()
             raise
         c = self.cluster
         routers = [ch.proc.pid for ch in c.children if ch.name.startswith("router-")]
@@ -123,7 +125,8 @@ class _Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.cluster.stop()
+        with held():
+            self.cluster.stop()
 
     @property
     def routers(self) -> list[str]:

@@ -9,6 +9,12 @@ of `cluster.stop()` in the `finally`, leaving the cluster's directories behind (
 2026-12-07). Either signal is raised as SystemExit (status 128 + the signal: 143, 130), and the
 `with` and `finally` blocks run. Another one meanwhile is said and ignored, so that the stopping
 runs to its end (each tier's grace bounds it).
+
+A benchmark's cleanup (a cluster's stop between configurations, a peer's, a py-spy's) runs in
+`held()`: a first signal there is said and raised once the cleanup ends. Raised where it came, it
+cut the stop short: the tiers after it were never stopped, NATS and etcd never closed (their
+directories and the cluster's left in $TMPDIR), and the configuration just measured was lost
+(review of 2026-12-07).
 """
 
 from __future__ import annotations
@@ -22,14 +28,36 @@ from types import FrameType
 
 from kvswitch.cluster import STOP_GRACE_S
 
-__all__ = ["STOP_SIGNALS", "signals_unwind"]
+__all__ = ["STOP_SIGNALS", "held", "signals_unwind"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_held = 0  # held() blocks the main thread is in
+_pending: int | None = None  # the first signal, come in one of them: raised when the outermost ends
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """A first SIGTERM or SIGINT (in `signals_unwind`) in the block is raised as SystemExit when it
+    ends, not where it came; an exception of the block's own goes on as it is."""
+    global _held, _pending
+    if threading.current_thread() is not threading.main_thread():  # signals go to the main thread only
+        yield
+        return
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+    if not _held and _pending is not None:
+        signum, _pending = _pending, None
+        raise SystemExit(128 + signum)
 
 
 @contextlib.contextmanager
 def signals_unwind(what: str) -> Iterator[None]:
     """SIGTERM and SIGINT raise SystemExit in the block (`what`: the command, for the line said)."""
+    global _pending
     if threading.current_thread() is not threading.main_thread():  # signals go to the main thread only
         yield
         return
@@ -46,13 +74,22 @@ def signals_unwind(what: str) -> Iterator[None]:
         )
 
     def first(signum: int, frame: FrameType | None) -> None:
+        global _pending
         for sig in STOP_SIGNALS:
             signal.signal(sig, again)
+        if _held:
+            _pending = signum
+            say(
+                f"{signal.Signals(signum).name}: exiting once what it is stopping has stopped (a local cluster "
+                f"drains up to {STOP_GRACE_S:.0f}s a tier)"
+            )
+            return
         raise SystemExit(128 + signum)  # said by the command as it stops (a progress bar may be on the line)
 
     before = {sig: signal.signal(sig, first) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
+        _pending = None  # held by a cleanup whose own exception went on: that one says why it stopped
         for sig, handler in before.items():
             signal.signal(sig, handler)

@@ -173,6 +173,60 @@ def test_ctrl_c_twice_stops_a_benchmark_without_a_traceback_and_leaves_nothing(t
             proc.wait()
 
 
+def test_ctrl_c_while_a_configurations_cluster_stops_lets_the_stop_end_and_keeps_what_was_measured(
+    tmp_path: Path,
+) -> None:
+    # A first Ctrl-C during the cluster's stop after a configuration raised SystemExit inside it:
+    # the tiers after the one stopping were never stopped, NATS and etcd never closed (the cluster's,
+    # nats' and etcd's directories left in $TMPDIR), and the configuration just measured was lost,
+    # "nothing was measured" (review of 2026-12-07).
+    tmp, out = tmp_path / "tmp", tmp_path / "out"
+    tmp.mkdir()
+    argv = [sys.executable, "-m", "kvswitch", "bench", "compare", "--demo", "--configs", "round_robin", "--rates", "1"]
+    proc = subprocess.Popen(
+        [*argv, "--duration", "10", "--no-progress", "--out-dir", str(out)], env={**os.environ, "TMPDIR": str(tmp)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not (routers := _children(proc.pid, "kvswitch router")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no router started within 90 s"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 120
+        while _running(routers[0]):  # the router goes first: the stop after the measuring has begun
+            assert proc.poll() is None and time.monotonic() < deadline, "the router never stopped"
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: its process group
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signal.SIGINT, err
+        said = [line for line in err.splitlines() if "Traceback" in line or "kvswitch" in line]
+        assert sorted(p.name for p in tmp.iterdir()) == [], err
+        [saved] = out.glob("compare-*.json")
+        assert said == [
+            "kvswitch bench compare: SIGINT: exiting once what it is stopping has stopped (a local cluster drains up "
+            "to 35s a tier)",
+            f"kvswitch bench compare stopped early: 1 results measured before the failure are in {saved}",
+        ], err
+        assert [m["configuration"] for m in json.loads(saved.read_text())] == ["round_robin"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _children(pid: int, command: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "-P", str(pid), command], capture_output=True, text=True, check=False)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _router_ready(pid: int) -> bool:
     """Whether a router child of `pid` answers /ready (its --http-port read from its command line)."""
     pgrep = ["pgrep", "-f", "-P", str(pid), "kvswitch router"]
