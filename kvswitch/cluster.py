@@ -317,6 +317,9 @@ class LocalCluster:
         return {port for first, count in asked if first for port in range(first, first + count)}
 
     def start(self) -> None:
+        """Start the servers, the sims, the shims, then the routers. A start that fails stops what it
+        started, but one abandoned (`abandon_start`) leaves that to its caller's `stop`, which says
+        each tier with what a second signal does and returns the children it killed."""
         self._stopping = False
         try:
             # Every port drawn in one draw, so that `kvswitch up`'s range check (`drawn_ports`: one
@@ -344,7 +347,8 @@ class LocalCluster:
             for i in range(self.spec.routers):
                 self._start_router(i, base + i)
         except BaseException:
-            self.stop()
+            if not self._abandon.is_set():
+                self.stop()
             raise
 
     def _start_pools(self, base: int) -> int:
@@ -589,7 +593,9 @@ class LocalCluster:
 
     def abandon_start(self) -> None:
         """Make a `start` or `wait_ready` running in another thread give up at its next poll
-        (ServerError), so a supervisor told to stop while the cluster starts need not wait for it."""
+        (ServerError), so a supervisor told to stop while the cluster starts need not wait for it.
+        What started is left running for the supervisor's `stop`: stopped inside `start`, its tiers
+        were said without the caller's `again`, and the children it killed were counted nowhere."""
         self._abandon.set()
 
     def wait_ready(self, timeout: float = 60.0) -> None:

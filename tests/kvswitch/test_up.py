@@ -21,7 +21,7 @@ import pytest
 
 from kvswitch.cluster import ClusterSpec, LocalCluster, _Child
 from kvswitch.servers import EtcdServer, NatsServer, ServerError, free_port, free_ports
-from kvswitch.up import _HealthLog, _spec, add_arguments
+from kvswitch.up import _AGAIN, _HealthLog, _spec, add_arguments
 
 
 def _alive(pid: int) -> bool:
@@ -430,6 +430,33 @@ def test_up_hears_sigterm_while_it_starts_and_leaves_nothing() -> None:
         assert "health:" not in out and "kvswitch up: stopped" in err, (out, err)
         time.sleep(0.3)
         assert not [p for p in everything + _descendants(proc.pid) if _alive(p)], "children left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_stop_of_an_abandoned_start_says_each_tier_with_what_a_second_signal_does(tmp_path: Path) -> None:
+    # The start stopped what it had started itself, without up's `again`: a SIGTERM while the sims
+    # booted said "stopping 1 sim (draining up to 35s, then killed)", no word of what a second
+    # signal does, and a child it killed was counted nowhere (review of 2026-12-07).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvswitch", "up", "--agg", "2", "--speedup", "20", "--http-port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not any(" kvswitch sim " in _cmdline(p) for p in _descendants(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, "kvswitch up never started its sims"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "health:" not in out, (out, err)
+        tiers = [line for line in err.splitlines() if "kvswitch.cluster: stopping" in line]
+        assert any("stopping 1 sim " in line for line in tiers), err
+        assert all(line.endswith(f"then killed{_AGAIN})") for line in tiers), err
+        assert err.endswith("kvswitch up: stopped\n"), err
+        assert list(tmp_path.iterdir()) == []
     finally:
         if proc.poll() is None:
             proc.kill()
