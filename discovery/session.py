@@ -15,6 +15,7 @@ from etcd3aio._protobuf import Compare
 from etcd3aio.kv import KVService
 from etcd3aio.watch import WatchService
 
+from discovery.advice import TLS_FAILED
 from discovery.auth_token import TokenKeeper
 from discovery.lease import Lease, said
 from discovery.watch import ReadHealth, WatchEvent, watch_prefix
@@ -44,9 +45,6 @@ _KEEPALIVE = {"grpc.keepalive_time_ms": 6000, "grpc.keepalive_timeout_ms": 2000,
 _AUTH_FAILED = "authentication failed, invalid user ID or password"
 _NO_USER = "user name is empty"
 _AUTH_OFF = "authentication is not enabled"
-# gRPC's words for a handshake that failed on a certificate (the CA's, the server's name in it, or
-# the client's): a wrong file, which blaming the endpoints would not fix.
-_TLS_FAILED = ("Tls handshake failed", "is not in peer certificate", "Hostname Verification Check failed")
 # gRPC's words for a connection attempt out of time: its connect timeout, or the keepalive ping's
 # (_KEEPALIVE) on a connection whose first answer has not come.
 _TIMED_OUT = ("timed out", "ping timeout", "DEADLINE_EXCEEDED")
@@ -139,7 +137,7 @@ def _credentials_error(s: EtcdSettings, exc: BaseException) -> ConfigError | Non
             f"{where} does not let this user read {_PING_KEY!r}, which every client reads on connect ({why}): "
             "grant its role read on that key (as kvswitch secrets --etcd-endpoint does), or check --etcd-user",
         )
-    if s.tls_ca is not None and any(m in why for m in _TLS_FAILED):
+    if s.tls_ca is not None and any(m in why for m in TLS_FAILED):
         return ConfigError(
             "etcd_tls_ca",
             s.tls_ca,

@@ -65,12 +65,14 @@ class RegisterFailures:
             log.info("registered after %.1fs of etcd failing (%d tries)", self._clock() - self._since, self.tries)
             self._forget()
 
-    def session_ended(self) -> None:
+    def session_ended(self, stopping: bool) -> None:
         """The session ends, registered or not: an episode under way ends with it, said, and the
-        next session's first failing try starts one anew."""
+        next session's first failing try starts one anew; `stopping`: the shim stops, no session
+        comes next (it said "the next one tries anew" at a SIGTERM; review of 2026-12-07)."""
         if self.tries:
-            log.info("registering with etcd failed for %.1fs (%d tries; the last: %s) until the session ended: "
-                     "the next one tries anew", self._clock() - self._since, self.tries, self.why)  # fmt: skip
+            end = "the shim stopped" if stopping else "the session ended: the next one tries anew"
+            log.info("registering with etcd failed for %.1fs (%d tries; the last: %s) until %s",
+                     self._clock() - self._since, self.tries, self.why, end)  # fmt: skip
             self._forget()
 
     def _forget(self) -> None:

@@ -1,29 +1,40 @@
 """What a failed etcd call says and asks of an operator (discovery.advice), against a real etcd:
-one that does not answer (a relay frozen: a hung member) and one that answers and refuses (its
-NOSPACE alarm raised: the quota full).
+one that does not answer (a relay frozen: a hung member), one that answers and refuses (its
+NOSPACE alarm raised: the quota full) and one whose certificate another CA signed since connect.
 
 Review of 2026-12-07: a grant out of time was "lease grant failed: " (a timeout's str() is empty),
-one a full etcd refused a five-line gRPC repr, and the shim named --etcd-endpoints for both."""
+one a full etcd refused a five-line gRPC repr, and the shim named --etcd-endpoints for both; a TLS
+handshake failing during a run named --etcd-endpoints too (gRPC says UNAVAILABLE), and a token etcd
+forgot (renewed by itself) was "etcd answered and refused it"."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
-from etcd3aio import EtcdConnectionError, EtcdPermissionDeniedError
+from etcd3aio import EtcdConnectionError, EtcdPermissionDeniedError, EtcdUnauthenticatedError
 
 from discovery import Discovery, DiscoveryError, Registration, RegistrationState, advice
 from discovery import registration as registration_module
-from discovery.advice import NO_SPACE, REFUSED, UNANSWERED
+from discovery.advice import NO_SPACE, REFUSED, TLS, TOKEN_FORGOTTEN, UNANSWERED
+from kvswitch.certs import write_tls
 from kvswitch.servers import EtcdServer
 from protocol import WorkerInfo, subjects
 from protocol.config import EtcdSettings
 from tests.etcd_alarm import nospace_alarm
 from tests.relay import Relay
 from tests.router.polling import until
+
+# What etcd3aio raised once etcd's certificate came from another CA than --etcd-tls-ca (audit of 2026-12-07)
+_HANDSHAKE = (
+    "UNAVAILABLE (connections to all backends failing; last error: UNKNOWN: ipv4:127.0.0.1:26397: Tls handshake "
+    "failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1a000064:ECDSA routines:OPENSSL_internal:BAD_SIGNATURE: "
+    "certificate signature failure: OK)"
+)
 
 
 def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -46,6 +57,9 @@ def _raised_from(cause: BaseException) -> DiscoveryError:
         (_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "etcdserver: mvcc: database space exceeded"), NO_SPACE),
         (_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "etcdserver: too many requests"), REFUSED),
         (EtcdPermissionDeniedError("Lease.Grant failed: etcdserver: permission denied"), REFUSED),
+        (EtcdUnauthenticatedError("Lease.Grant failed: etcdserver: invalid auth token"), TOKEN_FORGOTTEN),
+        (_rpc_error(grpc.StatusCode.UNAUTHENTICATED, "etcdserver: invalid auth token"), TOKEN_FORGOTTEN),
+        (EtcdConnectionError(f"Lease.Grant failed after 3 attempts: {_HANDSHAKE}"), TLS),
     ],
 )
 def test_the_endpoints_are_named_only_where_etcd_did_not_answer(cause: BaseException, expected: str) -> None:
@@ -55,6 +69,26 @@ def test_the_endpoints_are_named_only_where_etcd_did_not_answer(cause: BaseExcep
 
 def test_a_discovery_error_of_its_own_asks_nothing() -> None:
     assert advice(DiscoveryError("the registration's supervisor of /k crashed")) == ""
+
+
+async def test_a_tls_handshake_failing_during_a_run_names_the_certificates_not_the_endpoints(
+    tmp_path: Path, ns: str
+) -> None:
+    """etcd restarted on its ports with a certificate another CA signed (rotated): the connected
+    client's calls fail as UNAVAILABLE, which named --etcd-endpoints."""
+    first, rotated = write_tls(tmp_path / "a", ["127.0.0.1"]), write_tls(tmp_path / "b", ["127.0.0.1"])
+    etcd = EtcdServer(tls=first.etcd, peer_tls=first.etcd_peer).start()
+    try:
+        async with Discovery(EtcdSettings(endpoints=[etcd.url], tls_ca=str(first.ca)), ns) as d:
+            await d.grant(5)
+            etcd.close()
+            etcd = EtcdServer(etcd.port, etcd.peer_port, tls=rotated.etcd, peer_tls=rotated.etcd_peer).start()
+            with pytest.raises(DiscoveryError) as grant:
+                await d.grant(5)
+    finally:
+        etcd.close()
+    assert "Tls handshake failed" in str(grant.value), grant.value
+    assert advice(grant.value) == TLS and "--etcd-tls-ca" in TLS and "--etcd-endpoints and" not in TLS
 
 
 @pytest.fixture

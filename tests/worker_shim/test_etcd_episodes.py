@@ -111,11 +111,11 @@ def test_an_episode_ends_with_its_session(caplog: pytest.LogCaptureFixture) -> N
     caplog.set_level(logging.INFO, logger="worker_shim.etcd_episodes")
     clock = _Clock()
     failures = RegisterFailures(clock)
-    failures.session_ended()  # no episode: nothing to say
+    failures.session_ended(False)  # no episode: nothing to say
     for _ in range(3):
         failures.failed(UNAVAILABLE, 1.0)
         clock.now += 1.0
-    failures.session_ended()
+    failures.session_ended(False)
     assert caplog.records[-1].getMessage() == (
         f"registering with etcd failed for 3.0s (3 tries; the last: {WHY}: {UNANSWERED}) until the session ended: "
         "the next one tries anew"
@@ -126,6 +126,19 @@ def test_an_episode_ends_with_its_session(caplog: pytest.LogCaptureFixture) -> N
     assert len(caplog.records) == 2
     failures.failed(UNAVAILABLE, 1.0)  # a new one is said at once
     assert caplog.records[-1].getMessage().startswith("registering with etcd failed (")
+
+
+def test_an_episode_under_way_as_the_shim_stops_says_it_stopped(caplog: pytest.LogCaptureFixture) -> None:
+    """A SIGTERM during an episode said "... until the session ended: the next one tries anew"."""
+    caplog.set_level(logging.INFO, logger="worker_shim.etcd_episodes")
+    clock = _Clock()
+    failures = RegisterFailures(clock)
+    failures.failed(UNAVAILABLE, 1.0)
+    clock.now += 2.0
+    failures.session_ended(True)
+    assert caplog.records[-1].getMessage() == (
+        f"registering with etcd failed for 2.0s (1 tries; the last: {WHY}: {UNANSWERED}) until the shim stopped"
+    )
 
 
 class _Reg:
@@ -289,3 +302,19 @@ async def test_registering_failing_ends_with_its_session(
     assert ended.getMessage().startswith("registering with etcd failed for ") and ended.levelno == logging.INFO
     assert not _said(caplog, "registered after"), "the next session registered at its first try"
     assert shim.sessions == 2
+
+
+async def test_a_shim_stopped_while_registering_fails_says_it_stopped_not_that_the_next_session_tries(
+    relay: Relay, ns: str, nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, f"http://127.0.0.1:{relay.port}")
+        async with shim:
+            relay.accepting = False  # etcd gone for this shim before its session registers
+            relay.cut()
+            await wait_for(lambda: shim.register_failures.tries >= 2, what="2 tries")
+        # the shim's stop (a SIGTERM's) ends the episode with the session
+    [ended] = _said(caplog, "until the shim stopped")
+    assert ended.getMessage().startswith("registering with etcd failed for ") and ended.levelno == logging.INFO
+    assert not _said(caplog, "the next one tries anew")

@@ -308,3 +308,49 @@ async def test_a_stop_waits_for_the_routers_watch_that_lost_its_cancellation_the
         "task shim-routers-watch ran on through its cancellation (lost below it): cancelled again 1 time(s) "
         "before it ended"
     ], said
+
+
+async def test_etcd_gone_before_the_routers_first_read_is_said_once_not_a_crash_every_30_s(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """etcd stopped between the shim's connect and the routers' watch's first read (whether this
+    worker may read them): the DiscoveryError reached keep_following, an ERROR with its traceback
+    every 30 s for the whole outage (review of 2026-12-07). Now a WARNING, then an INFO once etcd
+    answers and the watch runs."""
+    caplog.set_level(logging.INFO)
+    etcd = EtcdServer().start()
+    try:
+        async with Discovery(EtcdSettings(endpoints=[etcd.url]), "t") as d:
+            tries = 0
+            reading = d.readable
+
+            async def counted(prefix: str) -> bool:
+                nonlocal tries
+                tries += 1
+                return await reading(prefix)
+
+            d.readable = counted  # type: ignore[method-assign]
+            etcd.stop()
+            parts = {"_discovery": d, "ns": "t", "task_failures": collections.Counter()}
+            shim = cast(WorkerShim, type("Shim", (), parts)())  # what _follow_routers reads of a shim
+            orphans = _orphans(_Legs(), _Clock())
+            watchdog = asyncio.create_task(WorkerShim._follow_routers(shim, orphans), name="shim-routers")
+            try:
+                await wait_for(lambda: tries >= 3, timeout=60, what="3 reads with etcd gone")
+                etcd.start()
+                await wait_for(lambda: bool(_said(caplog, "works again")), timeout=30, what="etcd answering")
+            finally:
+                await cancel_and_wait(watchdog)
+    finally:
+        etcd.close()
+    shim_said = [r for r in caplog.records if r.name == "worker_shim.shim"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    warned = [r.getMessage() for r in shim_said if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and warned[0].startswith("the routers' watch: reading /t/routers/ failed: "), warned
+    assert "--etcd-endpoints" in warned[0] and "\n" not in warned[0]
+    [back] = [r.getMessage() for r in shim_said if r.levelno == logging.INFO]
+    assert back.startswith("the routers' watch: reading /t/routers/ works again, after "), back
+
+
+def _said(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "worker_shim.shim" and text in r.getMessage()]
