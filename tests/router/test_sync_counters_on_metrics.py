@@ -22,7 +22,7 @@ from tests.router.polling import until
 
 SYNC = ("malformed", "unregistered", "departed", "send_failures", "peer_bookings_expired", "peers_forgotten")
 TRAFFIC = ("messages_sent", "entries_sent", "entries_received")  # until 2026-12-06 read by tests alone
-SNAPSHOTS = ("snapshots_sent", "snapshots_taken", "snapshots_incomplete")  # from 2026-12-07
+SNAPSHOTS = ("snapshots_sent", "snapshots_taken", "snapshots_incomplete", "too_large")  # from 2026-12-07
 
 
 def _sync_samples(text: str) -> dict[str, float]:
@@ -48,19 +48,20 @@ def test_every_sync_count_is_rendered() -> None:
         snapshots_sent=10,
         snapshots_taken=11,
         snapshots_incomplete=12,
-        healed={"added": 13, "dropped": 14, "state": 15},
+        too_large=13,
+        healed={"added": 14, "dropped": 15, "state": 16},
     )
     text = RouterMetrics(lambda: StateFigures(sync=stats)).render().decode()
     samples = _sync_samples(text)
     healed = samples.pop("snapshot_healed")  # the last of its labels: read whole below
-    assert samples == dict(zip(SYNC + TRAFFIC + SNAPSHOTS, [float(n) for n in range(1, 13)], strict=True))
-    assert healed == 15.0
+    assert samples == dict(zip(SYNC + TRAFFIC + SNAPSHOTS, [float(n) for n in range(1, 14)], strict=True))
+    assert healed == 16.0
     assert {
         s.labels["what"]: s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
         if s.name == "kvswitch_router_sync_snapshot_healed_total"
-    } == {"added": 13.0, "dropped": 14.0, "state": 15.0}
+    } == {"added": 14.0, "dropped": 15.0, "state": 16.0}
 
 
 async def test_dropped_sync_messages_are_on_metrics(
@@ -98,5 +99,6 @@ async def test_dropped_sync_messages_are_on_metrics(
         "snapshots_sent": 0.0,  # its first is 30 s after its start
         "snapshots_taken": 0.0,
         "snapshots_incomplete": 0.0,
+        "too_large": 0.0,
         "snapshot_healed": 0.0,  # the last of its labels
     }
