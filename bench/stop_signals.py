@@ -75,6 +75,7 @@ def signals_unwind(what: str) -> Iterator[None]:
 
     def first(signum: int, frame: FrameType | None) -> None:
         global _pending
+        stopped.append(signum)
         for sig in STOP_SIGNALS:
             signal.signal(sig, again)
         if _held:
@@ -86,10 +87,14 @@ def signals_unwind(what: str) -> Iterator[None]:
             return
         raise SystemExit(128 + signum)  # said by the command as it stops (a progress bar may be on the line)
 
+    stopped: list[int] = []
     before = {sig: signal.signal(sig, first) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
         _pending = None  # held by a cleanup whose own exception went on: that one says why it stopped
         for sig, handler in before.items():
-            signal.signal(sig, handler)
+            # Stopping on a signal, the process exits now, ignoring more: a Python handler put back
+            # is reset to the default as the interpreter finalizes, and a second Ctrl-C then killed
+            # the process (status -2, not the 130 it was returning).
+            signal.signal(sig, signal.SIG_IGN if stopped else handler)
