@@ -10,7 +10,6 @@ import json
 import threading
 from functools import partial
 from pathlib import Path
-from typing import cast
 
 import pytest
 
@@ -25,6 +24,7 @@ from router.service import RouterConfig, RouterService
 from router.tokenization import FingerprintWatch, PromptTokenizer, fingerprints_on, load_tokenizer
 from tests.router.fingerprint_variants import build_variant
 from tests.router.polling import until
+from tests.router.template_clock import TemplateClock
 
 MONDAY = datetime.date(2026, 12, 7)
 
@@ -197,21 +197,6 @@ async def test_a_worker_refused_is_taken_off_ready_once_its_day_is_added(dated: 
     assert "from 2026-12-06 to 2026-12-09" in watch.report()["text_refused"][0]["why"], "the days named are now's"
 
 
-class _Clock:
-    """datetime for router.tokenization, its now() at `at` (the template's strftime_now reads it)."""
-
-    def __init__(self, at: datetime.datetime) -> None:
-        outer = self
-
-        class _Datetime(datetime.datetime):
-            @classmethod
-            def now(cls, tz: datetime.tzinfo | None = None) -> _Datetime:
-                return cast(_Datetime, outer.at)
-
-        self.at = at
-        self.datetime = _Datetime
-
-
 def test_a_router_takes_text_to_a_worker_whose_engine_probed_tomorrow(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -223,7 +208,7 @@ def test_a_router_takes_text_to_a_worker_whose_engine_probed_tomorrow(
     # day later than the router's, past midnight
     tomorrow = router.fingerprint_days.span[1]
     monkeypatch.setattr(
-        tokenization, "datetime", _Clock(datetime.datetime(tomorrow.year, tomorrow.month, tomorrow.day, 0, 1))
+        tokenization, "datetime", TemplateClock(datetime.datetime(tomorrow.year, tomorrow.month, tomorrow.day, 0, 1))
     )
     worker = _info("w1", tokenization.tokenizer_fingerprint(load_tokenizer(str(folder))))
     monkeypatch.undo()

@@ -14,7 +14,7 @@ import shutil
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -33,6 +33,7 @@ from router.tokenization import ChatOptions, load_tokenizer, tokenizer_fingerpri
 from tests.router.conftest import MODEL, Cluster, complete
 from tests.router.fingerprint_variants import build_variant
 from tests.router.polling import until
+from tests.router.template_clock import TemplateClock
 from worker_shim.shim import WorkerShim
 
 
@@ -615,21 +616,6 @@ def test_a_replica_of_another_tokenizer_has_another_rendering_digest_and_the_sam
     assert base == rendering_digest(tokenizer_fingerprint(load_tokenizer(tokenizers["elsewhere"])))
 
 
-class _Clock:
-    """datetime for router.tokenization, its now() at `at` (the template's strftime_now reads it)."""
-
-    def __init__(self, at: datetime.datetime) -> None:
-        outer = self
-
-        class _Datetime(datetime.datetime):
-            @classmethod
-            def now(cls, tz: datetime.tzinfo | None = None) -> _Datetime:
-                return cast(_Datetime, outer.at)
-
-        self.at = at
-        self.datetime = _Datetime
-
-
 def test_a_template_that_writes_todays_date_has_one_rendering_digest_across_midnight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -641,7 +627,7 @@ def test_a_template_that_writes_todays_date_has_one_rendering_digest_across_midn
     config = json.loads(config_file.read_text())
     config["chat_template"] = "{{- 'Today Date: ' + strftime_now('%d %b %Y') + '\\n' }}" + config["chat_template"]
     config_file.write_text(json.dumps(config))
-    clock = _Clock(datetime.datetime(2026, 12, 7, 23, 59))
+    clock = TemplateClock(datetime.datetime(2026, 12, 7, 23, 59))
     monkeypatch.setattr(tokenization, "datetime", clock)
     tok = load_tokenizer(str(folder))
     chat = ({"role": "user", "content": "hi"},)
