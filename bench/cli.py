@@ -733,7 +733,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    with signals_unwind(f"kvswitch bench {args.bench_command}"):
+    with signals_unwind(f"kvswitch bench {args.bench_command}", exits=True):
         return _run(args)
 
 

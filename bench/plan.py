@@ -280,7 +280,7 @@ def _flat(settings: RouterSettings, name: str) -> object:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with signals_unwind("kvswitch plan"):  # a pool's workers outlived a plain SIGTERM
+        with signals_unwind("kvswitch plan", exits=True):  # a pool's workers outlived a plain SIGTERM
             return _plan(args)
     except (TraceError, ValueError, ConfigError, OSError) as exc:
         print(f"kvswitch plan: {exc}", file=sys.stderr)

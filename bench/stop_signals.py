@@ -55,8 +55,10 @@ def held() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def signals_unwind(what: str) -> Iterator[None]:
-    """SIGTERM and SIGINT raise SystemExit in the block (`what`: the command, for the line said)."""
+def signals_unwind(what: str, *, exits: bool = False) -> Iterator[None]:
+    """SIGTERM and SIGINT raise SystemExit in the block (`what`: the command, for the line said).
+    `exits`: the process ends with the block (a command's entry point), so once a signal stopped
+    it, later ones are ignored through the exit rather than the handlers put back."""
     global _pending
     if threading.current_thread() is not threading.main_thread():  # signals go to the main thread only
         yield
@@ -94,7 +96,7 @@ def signals_unwind(what: str) -> Iterator[None]:
     finally:
         _pending = None  # held by a cleanup whose own exception went on: that one says why it stopped
         for sig, handler in before.items():
-            # Stopping on a signal, the process exits now, ignoring more: a Python handler put back
-            # is reset to the default as the interpreter finalizes, and a second Ctrl-C then killed
-            # the process (status -2, not the 130 it was returning).
-            signal.signal(sig, signal.SIG_IGN if stopped else handler)
+            # A Python handler put back is reset to the default as the interpreter finalizes, and
+            # a second Ctrl-C then killed the exiting process (status -2, not 130). Ignored only
+            # where the process exits: SIG_IGN outlives the block, and every child inherits it.
+            signal.signal(sig, signal.SIG_IGN if stopped and exits else handler)

@@ -45,3 +45,22 @@ def test_a_held_blocks_own_error_goes_on_as_it_is() -> None:
         raise RuntimeError("the stop failed")
     with held():  # the signal held there is not raised by a later block
         pass
+
+
+def test_a_block_a_signal_stopped_puts_the_handlers_back_unless_the_process_exits() -> None:
+    # 3f20083 left SIGINT and SIGTERM ignored after any such block: this test process, and every
+    # child it started later, then ignored SIGTERM (a cluster's stop waited out its grace and
+    # killed; final read of 2026-12-07).
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(SystemExit), signals_unwind("kvswitch bench x"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    try:
+        with pytest.raises(SystemExit), signals_unwind("kvswitch bench x", exits=True):
+            os.kill(os.getpid(), signal.SIGTERM)
+        # exiting: a Ctrl-C now is ignored, where the default handler (put back, then reset as
+        # the interpreter finalizes) killed the process with status -2
+        assert {sig: signal.getsignal(sig) for sig in before} == dict.fromkeys(before, signal.SIG_IGN)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
