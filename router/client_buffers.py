@@ -12,16 +12,21 @@ a slow reader (its 408 error event, counted as the per-stream limit's), a whole 
 is aborted by its writer. Behind is first how long its client has taken nothing (from `taken_at`: a
 stream's reader last came for its next chunk or was waiting for one, an answer's last slice
 drained): those that took nothing for STALLED_S go first, the one holding the most first. Only if
-none did, the stream holding the most, furthest behind its worker though its client reads; a whole
-answer whose client takes it is never ended. So a client that keeps up goes last however large its
+none did, a whole answer none of whose slices has drained yet (just admitted: its client has shown
+nothing), then the stream holding the most, furthest behind its worker though its client reads; a
+whole answer whose client takes it is never ended. So a client that keeps up goes last however large its
 answer, and one that reads nothing goes first however little it holds (until 2026-12-07 the most
 bytes went first: any whole answer over a stream's 8 MiB was cut first, its client reading it or
 not; bufrev audit).
 
-A whole answer about to be written (its head not out) is admitted only by ending holders that took
-nothing for STALLED_S: while the others take their bytes it is refused (`admit` False, a 503 with
-Retry-After) rather than end one that reads. One larger than the whole budget is never admitted
-(`fits`: the client's to change, a 400).
+A whole answer about to be written (its head not out) is admitted only with SPARE_BYTES of the budget
+left free, made only by ending holders that took nothing for STALLED_S: while the others take their
+bytes it is refused (`admit` False, a 503 with Retry-After) rather than end one that reads. It counts
+in `held` only once admitted. One that does not fit the budget less SPARE_BYTES is never admitted
+(`fits`: the client's to change, a 400). Until 2026-12-07 one was admitted that filled the budget to
+its last byte, so the next chunk of a stream whose client read took it over and, nobody stalled
+(the newcomer just admitted), that stream was cut; and while room was made for it its own bytes
+counted, ending stalled holders for bytes not yet held (newcomer_brim audit).
 
 `held` is kept by an integer add or subtract per chunk (per slice for an answer); the holders are
 scanned only when over.
@@ -50,6 +55,7 @@ __all__ = [
     "CLIENT_BUFFER_MIB_RANGE",
     "ROOM_RETRY_S",
     "SLICE_BYTES",
+    "SPARE_BYTES",
     "STALLED_S",
     "UNSENT_BYTES",
     "ClientBuffers",
@@ -66,6 +72,8 @@ SLICE_BYTES = 128 << 10
 # A holder whose client took nothing for this long is behind: a reader slower than a slice in this
 # time (64 KiB/s) is counted with those that stopped.
 STALLED_S = 2.0
+# Left free when an answer is admitted: the next chunk or slice takes the total over no sooner.
+SPARE_BYTES = SLICE_BYTES
 ROOM_RETRY_S = 1  # Retry-After of an answer refused while the others took theirs: a slice's time
 # TCP_NOTSENT_LOWAT: what is in flight to the client is not bounded by it, so neither is throughput
 UNSENT_BYTES = 128 << 10
@@ -92,7 +100,8 @@ class HeldAnswer:
 
     queued: int  # bytes not written yet
     taken_at: float = field(default_factory=time.monotonic)  # admitted, or its last slice drained
-    admitted: bool = False  # its head may go out: from then on it can be ended for others
+    admitted: bool = False  # its head may go out, its bytes counted: from then on it can be ended for others
+    drained: bool = False  # a slice of it went to its client: its client takes it
     ended: bool = False  # ended over budget
     _timer: asyncio.Timeout | None = None
 
@@ -124,26 +133,27 @@ class ClientBuffers:
         self._cut = cut
 
     def fits(self, size: int) -> bool:
-        """A whole answer of `size` bytes can be held at all."""
-        return size <= self.budget
+        """A whole answer of `size` bytes can be admitted at all."""
+        return size + SPARE_BYTES <= self.budget
 
     def hold(self, size: int) -> HeldAnswer:
-        """Count a whole answer (`fits` it) from now until `release`: at once, with no await, so
+        """Hold a whole answer (`fits` it) from now until `release`: at once, with no await, so
         that its writer's `finally` releases it however it ends (a client that left while `admit`
-        ended others for it had its bytes counted for good: bufrev audit)."""
+        ended others for it had its bytes counted for good: bufrev audit). Counted once admitted."""
         answer = HeldAnswer(size)
         self._answers.add(answer)
-        self.held += size
         return answer
 
     async def admit(self, answer: HeldAnswer) -> bool:
-        """Whether `answer`, held, may be written: stalled holders are ended to make room for it,
-        never one whose client took bytes within STALLED_S; False while still over (refused)."""
-        if not await self.make_room(newcomer=answer):
+        """Whether `answer`, held, may be written, counted from now: stalled holders are ended to
+        leave SPARE_BYTES free with it, never one whose client took bytes within STALLED_S; False
+        while there is not that room (refused)."""
+        if not await self.make_room(answer.queued + SPARE_BYTES, stalled_only=True):
             self.cuts["refused"] += 1
             return False
-        answer.admitted = True
+        answer.admitted = True  # no await since make_room's check: the room is still there
         answer.taken_at = time.monotonic()
+        self.held += answer.queued
         return True
 
     def taken(self, answer: HeldAnswer, size: int) -> None:
@@ -152,18 +162,20 @@ class ClientBuffers:
             answer.queued -= size
             self.held -= size
             answer.taken_at = time.monotonic()
+            answer.drained = True
 
     def release(self, answer: HeldAnswer) -> None:
         """Its write is over (idempotent: an answer ended over budget was released then)."""
         if answer in self._answers:
             self._answers.remove(answer)
-            self.held -= answer.queued
+            if answer.admitted:
+                self.held -= answer.queued
 
-    async def make_room(self, newcomer: HeldAnswer | None = None) -> bool:
-        """End the holders furthest behind until `held` is within budget; for a `newcomer` only
-        those stalled: whether it is within budget then."""
-        while self.held > self.budget:
-            holder = self._furthest_behind(newcomer is not None)
+    async def make_room(self, room: int = 0, *, stalled_only: bool = False) -> bool:
+        """End the holders furthest behind until `room` bytes more fit in the budget, only those
+        stalled if `stalled_only`: whether they fit then."""
+        while self.held + room > self.budget:
+            holder = self._furthest_behind(stalled_only)
             if holder is None:
                 return False
             if isinstance(holder, HeldAnswer):
@@ -183,7 +195,9 @@ class ClientBuffers:
         stalled = [h for h in holders if now - h.taken_at >= STALLED_S]
         if stalled or stalled_only:
             return max(stalled, key=_queued, default=None)
-        return max(streams, key=_queued, default=None)
+        # An answer just admitted, whose client has taken none of it, before a stream whose client reads
+        unread = [a for a in answers if not a.drained]
+        return max(unread or streams, key=_queued, default=None)
 
 
 def _queued(holder: _Holder) -> int:

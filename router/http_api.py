@@ -84,7 +84,7 @@ from router.api_errors import (
     unsupported_media_type,
 )
 from router.api_keys import ApiKeys
-from router.client_buffers import ROOM_RETRY_S, SLICE_BYTES, HeldAnswer
+from router.client_buffers import ROOM_RETRY_S, SLICE_BYTES, SPARE_BYTES, HeldAnswer
 from router.dispatch import Job
 from router.expectations import ExpectRoutes, expectations, send_continue
 from router.leg import LegError
@@ -677,8 +677,8 @@ class _Handlers:
             raise ApiError(
                 400,
                 f"the answer is {size} bytes, more than this router holds for all its clients at once "
-                f"({buffers.budget} bytes, its operator's --client-buffer-mib): ask for fewer logprobs or "
-                "prompt_logprobs or a smaller max_tokens, or stream it (stream=true)",
+                f"({buffers.budget} bytes, its operator's --client-buffer-mib, less {SPARE_BYTES} kept free): "
+                "ask for fewer logprobs or prompt_logprobs or a smaller max_tokens, or stream it (stream=true)",
             )
         held = buffers.hold(size)  # released in the finally, however the handler ends
         try:

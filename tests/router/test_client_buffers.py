@@ -19,7 +19,7 @@ from typing import Any, cast
 import aiohttp
 import pytest
 
-from router.client_buffers import ClientBuffers, HeldAnswer
+from router.client_buffers import SPARE_BYTES, ClientBuffers, HeldAnswer
 from router.dispatch import Dispatcher
 from router.http_api import _slices
 from router.leg import Leg
@@ -349,9 +349,12 @@ def buffers_with(budget: int, legs: list[Leg], cut: list[Leg]) -> ClientBuffers:
     return buffers
 
 
-async def admitted(buffers: ClientBuffers, size: int, idle_s: float = 0.0) -> HeldAnswer:
+async def admitted(buffers: ClientBuffers, size: int, idle_s: float = 0.0, *, read: bool = True) -> HeldAnswer:
+    """An answer admitted whose client took its last slice `idle_s` ago (none yet unless `read`)."""
     answer = buffers.hold(size)
     assert await buffers.admit(answer)
+    if read:
+        buffers.taken(answer, 0)  # a slice drained
     answer.taken_at -= idle_s
     return answer
 
@@ -363,10 +366,10 @@ async def test_over_budget_the_idle_go_first_the_most_held_first_and_an_answer_b
         stream_leg(50_000, STALLED_S),
     )
     legs, cut = [reading, idle_small, idle_big, stream_leg(900, 0.1)], list[Leg]()
-    buffers = buffers_with((11 << 20) + 100_000, legs, cut)
+    buffers = buffers_with((11 << 20) + 100_000 + SPARE_BYTES, legs, cut)
     answer = await admitted(buffers, 10 << 20)  # its client reads: its last slice just drained
     stale = await admitted(buffers, 1000, idle_s=STALLED_S + 1)
-    buffers.held += 99_050  # a chunk comes: 51,050 bytes over, all three idle ones to end
+    buffers.held += 99_050 + SPARE_BYTES  # a chunk comes: 51,050 bytes over, all three idle ones to end
     assert await buffers.make_room()
     assert cut == [idle_big, idle_small] and stale.ended and not answer.ended
     assert buffers.cuts == {"stream": 2, "answer": 1} and buffers.held == buffers.budget - 50
@@ -390,9 +393,59 @@ async def test_a_newcomer_ends_only_holders_that_took_nothing_for_a_while_or_is_
     assert buffers.held == 7 << 20
 
 
-def test_a_whole_answer_counts_only_what_is_left_to_write() -> None:
+async def test_a_newcomer_is_admitted_only_with_room_to_spare_and_ended_before_a_stream_being_read() -> None:
+    """Admitted when it filled the budget to the brim, it left no room for the next chunk of a
+    stream whose client read, and with nothing stalled (the newcomer itself just admitted) that
+    stream was cut, its client "had taken none for 0.0s" (newcomer_brim audit)."""
+    legs, cut = [stream_leg(256 << 10, 0.0) for _ in range(4)], list[Leg]()
+    buffers = buffers_with(8 << 20, legs, cut)
+    brim = buffers.hold(buffers.budget - buffers.held)
+    assert not await buffers.admit(brim) and buffers.cuts == {"refused": 1}
+    buffers.release(brim)
+    assert buffers.held == 1 << 20
+    newcomer = await admitted(buffers, buffers.budget - buffers.held - SPARE_BYTES, read=False)
+    for _ in range(2):  # chunks of a stream whose client reads: the spare room takes them
+        legs[0].queued += 64 << 10
+        buffers.held += 64 << 10
+        assert await buffers.make_room() and not newcomer.ended
+    legs[0].queued += 4096  # over: the newcomer's client has taken none of it yet, it goes first
+    buffers.held += 4096
+    assert await buffers.make_room() and newcomer.ended and not cut
+    # one whose client took a slice is ended no more: the stream furthest behind goes
+    reading, furthest = await admitted(buffers, buffers.budget - buffers.held - SPARE_BYTES), legs[0]
+    furthest.queued += SPARE_BYTES + 1
+    buffers.held += SPARE_BYTES + 1
+    assert await buffers.make_room() and cut == [furthest] and not reading.ended
+    assert buffers.cuts == {"refused": 1, "answer": 1, "stream": 1}
+
+
+async def test_a_newcomer_counts_only_once_admitted() -> None:
+    """While it waited for a stalled stream's cut its bytes counted already: a chunk that came then
+    took the total over, and the stream whose client read was cut (newcomer_brim audit)."""
+    idle, reading = stream_leg(1 << 20, STALLED_S + 1), stream_leg(4 << 20, 0.0)
+    legs, cut = [idle, reading], list[Leg]()
+
+    async def cutting(leg: Leg) -> None:  # its queue dropped, then a chunk of the other during the cancel
+        cut.append(leg)
+        buffers.held -= leg.queued
+        legs.remove(leg)
+        reading.queued += 4096
+        buffers.held += 4096
+        if buffers.held > buffers.budget:  # as Dispatcher._on_chunk
+            await buffers.make_room()
+
+    buffers = ClientBuffers(8 << 20, lambda: legs, cutting)
+    buffers.held = 5 << 20
+    newcomer = buffers.hold((4 << 20) - 2048)  # with the chunk, over the budget after the idle stream's cut
+    assert not await buffers.admit(newcomer)
+    assert cut == [idle] and buffers.held == reading.queued == (4 << 20) + 4096
+
+
+async def test_a_whole_answer_counts_only_what_is_left_to_write() -> None:
     buffers = ClientBuffers(1 << 30, tuple, lambda leg: asyncio.sleep(0))
     answer = buffers.hold(1000)
+    assert buffers.held == 0  # not before it is admitted
+    assert await buffers.admit(answer)
     buffers.taken(answer, 300)
     assert buffers.held == answer.queued == 700
     buffers.release(answer)
