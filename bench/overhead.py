@@ -670,7 +670,8 @@ def _bench_venv_on_path() -> None:
 def overhead_main(args: argparse.Namespace) -> int:
     _bench_venv_on_path()
     concurrencies = [int(c) for c in _floats(args.concurrency)]
-    rates = positive_numbers("--rates", args.rates)  # a NaN or infinite rate passed `<= 0`
+    # a NaN or infinite rate passed `<= 0`; '' runs no open-loop phase (docs/benchmarks.md's runs)
+    rates = positive_numbers("--rates", args.rates) if args.rates.strip() else []
     if args.repeats < 1 or any(c < 1 for c in concurrencies):
         raise ValueError("--repeats and --concurrency must be >= 1")
     check_positive("--speedup", args.speedup)

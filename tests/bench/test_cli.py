@@ -378,6 +378,24 @@ def test_a_chaos_overhead_or_replicas_number_out_of_range_is_refused_before_anyt
     assert not list(tmp_path.iterdir())
 
 
+def test_overhead_with_rates_empty_runs_no_open_loop_phase(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--rates ''`, as docs/benchmarks.md's runs give it, skips the open-loop client: 9db9c81's
+    check of the rates refused it (`--rates: comma-separated numbers, got ''`)."""
+    import bench.overhead
+
+    specs: list[bench.overhead.OverheadSpec] = []
+
+    def run(spec: bench.overhead.OverheadSpec, *args: object, **kwargs: object) -> list[bench.overhead.Phase]:
+        specs.append(spec)
+        return []
+
+    monkeypatch.setattr(bench.overhead, "run_overhead", run)
+    monkeypatch.setenv("PATH", os.environ["PATH"])  # overhead puts .venv-bench/bin on it
+    monkeypatch.chdir(tmp_path)
+    main(["bench", *OVERHEAD, "--rates", "", "--out-dir", str(tmp_path)])
+    assert [spec.rates for spec in specs] == [[]]
+
+
 @pytest.mark.parametrize(
     ("argv", "runs", "message"),
     [
