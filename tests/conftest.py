@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from kvswitch.servers import FREE_PORTS_ENV, EtcdServer, NatsServer
 from tests import loop_tasks
+from tests.relay import Relay
 
 
 def _own_ports() -> None:
@@ -58,6 +59,18 @@ def nats_server() -> Iterator[NatsServer]:
 def etcd_server() -> Iterator[EtcdServer]:
     with EtcdServer() as server:
         yield server
+
+
+@pytest.fixture
+async def etcd_relay(etcd_server: EtcdServer) -> AsyncIterator[Relay]:
+    """The session's etcd behind a relay of the test's own: delayed, frozen, refusing or cut for
+    the process that connects through it while etcd serves everyone else."""
+    relay = Relay(etcd_server.port)
+    await relay.start()
+    yield relay
+    relay.frozen.clear()
+    relay.cut()
+    await relay.close()
 
 
 @pytest.fixture

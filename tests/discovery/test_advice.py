@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -115,19 +115,9 @@ async def test_a_full_etcd_refusing_a_grant_and_a_create_says_so_in_one_line(ful
     assert advice(grant.value) == advice(create.value) == NO_SPACE and "--etcd-endpoints" not in NO_SPACE
 
 
-@pytest.fixture
-async def relay(etcd_server: EtcdServer) -> AsyncIterator[Relay]:
-    relay = Relay(etcd_server.port)
-    await relay.start()
-    yield relay
-    relay.frozen.clear()
-    relay.cut()
-    await relay.close()
-
-
-async def test_a_hung_etcd_is_said_as_a_timeout_naming_the_endpoints(relay: Relay, ns: str) -> None:
-    async with Discovery(EtcdSettings(endpoints=[f"http://127.0.0.1:{relay.port}"]), ns) as d:
-        relay.frozen.set()  # connected, then nothing answers: a member that hangs
+async def test_a_hung_etcd_is_said_as_a_timeout_naming_the_endpoints(etcd_relay: Relay, ns: str) -> None:
+    async with Discovery(EtcdSettings(endpoints=[f"http://127.0.0.1:{etcd_relay.port}"]), ns) as d:
+        etcd_relay.frozen.set()  # connected, then nothing answers: a member that hangs
         grant, get = await asyncio.gather(d.grant(5), d.holder("/k"), return_exceptions=True)
     assert isinstance(grant, DiscoveryError) and str(grant) == "lease grant failed: TimeoutError"
     assert isinstance(get, DiscoveryError) and str(get) == "get /k failed: TimeoutError"

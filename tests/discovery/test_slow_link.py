@@ -5,42 +5,31 @@ to, no etcd 150 ms away (one way) ever connected, and the process exited blaming
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 
 from discovery import Discovery, DiscoveryError
-from kvswitch.servers import EtcdServer, free_port
+from kvswitch.servers import free_port
 from protocol.config import EtcdSettings
 from tests.relay import Relay
 
 
-@pytest.fixture
-async def relay(etcd_server: EtcdServer) -> AsyncIterator[Relay]:
-    relay = Relay(etcd_server.port)
-    await relay.start()
-    yield relay
-    relay.cut()
-    await relay.close()
+def _through(etcd_relay: Relay) -> EtcdSettings:
+    return EtcdSettings(endpoints=[f"http://127.0.0.1:{etcd_relay.port}"])
 
 
-def _through(relay: Relay) -> EtcdSettings:
-    return EtcdSettings(endpoints=[f"http://127.0.0.1:{relay.port}"])
-
-
-async def test_an_etcd_150_ms_away_connects_and_answers(relay: Relay, ns: str) -> None:
-    relay.delay_s = 0.15  # one way: every answer comes 0.3 s after its question
-    async with Discovery(_through(relay), ns) as d:
+async def test_an_etcd_150_ms_away_connects_and_answers(etcd_relay: Relay, ns: str) -> None:
+    etcd_relay.delay_s = 0.15  # one way: every answer comes 0.3 s after its question
+    async with Discovery(_through(etcd_relay), ns) as d:
         await d.put_raw(f"/{ns}/probe", b"1")
         assert await d.holder(f"/{ns}/probe") == 0
 
 
-async def test_attempts_that_time_out_are_said_to_have(relay: Relay, ns: str) -> None:
+async def test_attempts_that_time_out_are_said_to_have(etcd_relay: Relay, ns: str) -> None:
     """A server that answers nothing (or a link slower than the connect's time) fails the connect
     saying its attempts timed out, which a wrong address would not explain alone."""
-    relay.frozen.set()
+    etcd_relay.frozen.set()
     with pytest.raises(DiscoveryError) as caught:
-        await Discovery(_through(relay), ns).connect(timeout=2.0)
+        await Discovery(_through(etcd_relay), ns).connect(timeout=2.0)
     said = str(caught.value)
     assert "the attempts timed out: a link too slow to connect within 2 s, or a TLS handshake" in said, said
 

@@ -8,7 +8,6 @@ replay; a shim cut off from a live etcd past its lease TTL said "serving" and no
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import cast
 
@@ -165,25 +164,16 @@ def test_a_cut_off_ends_unsaid_with_its_session(caplog: pytest.LogCaptureFixture
     assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
 
 
-@pytest.fixture
-async def relay(etcd_server: EtcdServer) -> AsyncIterator[Relay]:
-    relay = Relay(etcd_server.port)
-    await relay.start()
-    yield relay
-    relay.cut()
-    await relay.close()
-
-
 async def test_registering_with_etcd_down_retries_within_the_session_saying_it_once(
-    relay: Relay, ns: str, nats_url: str, caplog: pytest.LogCaptureFixture
+    etcd_relay: Relay, ns: str, nats_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
     async with SimServer(sim_config()) as sim:
-        shim = shim_for(sim, ns, nats_url, f"http://127.0.0.1:{relay.port}")
+        shim = shim_for(sim, ns, nats_url, f"http://127.0.0.1:{etcd_relay.port}")
         async with shim:
             # start() connected to etcd; its session has not run yet: every registration meets etcd gone
-            relay.accepting = False
-            relay.cut()
+            etcd_relay.accepting = False
+            etcd_relay.cut()
             checks = 0  # of the engine's health: one a try, whether a session starts or goes on
             checked = shim.adapter.health
 
@@ -195,7 +185,7 @@ async def test_registering_with_etcd_down_retries_within_the_session_saying_it_o
             shim.adapter.health = counted  # type: ignore[method-assign]
             await wait_for(lambda: checks >= 8, what="8 tries")
             status, body = await health(shim.http.url)
-            relay.accepting = True
+            etcd_relay.accepting = True
             await wait_for(shim.registered.is_set, what="registered once etcd is back")
     warned = [r for r in caplog.records if r.name == "worker_shim.shim" and r.levelno >= logging.WARNING]
     assert not any("registration failed" in r.getMessage() for r in warned), "the old line, once per try"
@@ -208,16 +198,16 @@ async def test_registering_with_etcd_down_retries_within_the_session_saying_it_o
 
 
 async def test_a_shim_cut_off_from_a_live_etcd_past_its_ttl_says_its_key_is_gone_and_serves_on(
-    relay: Relay, ns: str, nats_url: str, caplog: pytest.LogCaptureFixture
+    etcd_relay: Relay, ns: str, nats_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
     async with (
         SimServer(sim_config()) as sim,
-        shim_for(sim, ns, nats_url, f"http://127.0.0.1:{relay.port}", lease_ttl=2) as shim,
+        shim_for(sim, ns, nats_url, f"http://127.0.0.1:{etcd_relay.port}", lease_ttl=2) as shim,
     ):
         await wait_for(shim.registered.is_set, what="registered")
         first = shim.worker_id
-        relay.frozen.set()  # etcd serves everyone else: the key goes with the lease's TTL
+        etcd_relay.frozen.set()  # etcd serves everyone else: the key goes with the lease's TTL
         warning = "etcd has not renewed this worker's lease"
         await wait_for(lambda: bool(_said(caplog, warning)), 15, "the warning")
         status, body = await health(shim.http.url)
@@ -230,8 +220,8 @@ async def test_a_shim_cut_off_from_a_live_etcd_past_its_ttl_says_its_key_is_gone
         await wait_for(lambda: shim.lease_unrenewed_s is not None and shim.lease_unrenewed_s > 4, 15, "4 s")
         [said] = _said(caplog, warning)  # once per episode, not once per check
         assert said.levelno == logging.WARNING and "(TTL 2 s)" in said.getMessage()
-        relay.frozen.clear()
-        relay.cut()  # the frozen connections go; new ones are relayed
+        etcd_relay.frozen.clear()
+        etcd_relay.cut()  # the frozen connections go; new ones are relayed
         await wait_for(lambda: bool(_said(caplog, "etcd answers this worker again")), 20, "the end")
         [back] = _said(caplog, "etcd answers this worker again")
         assert back.getMessage().endswith(f"was gone, registered anew as {shim.worker_id}")
@@ -272,17 +262,17 @@ async def test_registering_anew_into_a_full_etcd_is_one_episode_on_health(
 
 
 async def test_registering_failing_ends_with_its_session(
-    relay: Relay, ns: str, nats_url: str, caplog: pytest.LogCaptureFixture
+    etcd_relay: Relay, ns: str, nats_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """etcd down, then the engine down (the session ends), etcd back, the engine back: /health said
     "registering with etcd fails for 49 s" while etcd was up and the engine down, and the next
     session "registered after 51.7s of etcd failing" where etcd was down 12 s."""
     caplog.set_level(logging.INFO)
     async with SimServer(sim_config()) as sim:
-        shim = shim_for(sim, ns, nats_url, f"http://127.0.0.1:{relay.port}")
+        shim = shim_for(sim, ns, nats_url, f"http://127.0.0.1:{etcd_relay.port}")
         async with shim:
-            relay.accepting = False  # etcd gone for this shim before its session registers
-            relay.cut()
+            etcd_relay.accepting = False  # etcd gone for this shim before its session registers
+            etcd_relay.cut()
             up = True
             checked = shim.adapter.health
 
@@ -293,7 +283,7 @@ async def test_registering_failing_ends_with_its_session(
             await wait_for(lambda: shim.register_failures.tries >= 3, what="3 tries")
             up = False  # the engine goes down: the session ends
             await wait_for(lambda: bool(_said(caplog, "waiting for the vllm engine")), what="the session's end")
-            relay.accepting = True  # etcd back while the engine is down
+            etcd_relay.accepting = True  # etcd back while the engine is down
             status, body = await health(shim.http.url)
             up = True
             await wait_for(shim.registered.is_set, what="registered by the next session")
@@ -305,14 +295,14 @@ async def test_registering_failing_ends_with_its_session(
 
 
 async def test_a_shim_stopped_while_registering_fails_says_it_stopped_not_that_the_next_session_tries(
-    relay: Relay, ns: str, nats_url: str, caplog: pytest.LogCaptureFixture
+    etcd_relay: Relay, ns: str, nats_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
     async with SimServer(sim_config()) as sim:
-        shim = shim_for(sim, ns, nats_url, f"http://127.0.0.1:{relay.port}")
+        shim = shim_for(sim, ns, nats_url, f"http://127.0.0.1:{etcd_relay.port}")
         async with shim:
-            relay.accepting = False  # etcd gone for this shim before its session registers
-            relay.cut()
+            etcd_relay.accepting = False  # etcd gone for this shim before its session registers
+            etcd_relay.cut()
             await wait_for(lambda: shim.register_failures.tries >= 2, what="2 tries")
         # the shim's stop (a SIGTERM's) ends the episode with the session
     [ended] = _said(caplog, "until the shim stopped")
