@@ -259,31 +259,30 @@ def _address(hex_host: str) -> str:
     return str(addr)
 
 
-def listeners(net: str = "/proc/net") -> list[tuple[str, int, str]]:
-    """(address, port, socket inode) of every listening TCP socket, IPv4 and IPv6, in the tables
-    under `net` (`/proc/<pid>/net` for a process's network namespace; Linux)."""
-    out = []
+def _listening(net: str) -> Iterator[tuple[str, str]]:
+    """(local address field, socket inode) of every listening TCP socket, IPv4 and IPv6, in the
+    tables under `net` (`/proc/<pid>/net` for a process's network namespace; Linux), unparsed."""
     for table in ("tcp", "tcp6"):
         with contextlib.suppress(OSError):
             for row in Path(net, table).read_text().splitlines()[1:]:
                 fields = row.split()
                 if fields[3] == "0A":  # LISTEN
-                    host, port = fields[1].split(":")
-                    out.append((_address(host), int(port, 16), fields[9]))
+                    yield fields[1], fields[9]
+
+
+def listeners(net: str = "/proc/net") -> list[tuple[str, int, str]]:
+    """(address, port, socket inode) of every listening TCP socket under `net` (`_listening`)."""
+    out = []
+    for local, inode in _listening(net):
+        host, port = local.split(":")
+        out.append((_address(host), int(port, 16), inode))
     return out
 
 
 def listening_inodes(ports: Collection[int], net: str = "/proc/net") -> dict[str, int]:
     """{socket inode: port} of the listening TCP sockets on `ports` alone: a poll's cost is then one
     read of each table, not an address parsed for each of a busy host's thousands of sockets."""
-    out = {}
-    for table in ("tcp", "tcp6"):
-        with contextlib.suppress(OSError):
-            for row in Path(net, table).read_text().splitlines()[1:]:
-                fields = row.split()
-                if fields[3] == "0A" and (port := int(fields[1].rpartition(":")[2], 16)) in ports:
-                    out[fields[9]] = port
-    return out
+    return {inode: port for local, inode in _listening(net) if (port := int(local.rpartition(":")[2], 16)) in ports}
 
 
 def process_tree(pid: int) -> list[int]:
