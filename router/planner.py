@@ -518,6 +518,7 @@ class Planner:
         self.disagg.chosen(plan)
         if (
             plan.outcome in _UNPAIRED
+            and self.disagg.asks_prefill  # else unpaired() says nothing: no scan of the exclusions per request
             and not (ctx.prefill_pool or prefill_full or prefill_failing)
             and not any(e.get("role") == "prefill" for e in ctx.excluded)  # none registered at all
         ):

@@ -308,6 +308,9 @@ class WorkerShim:
         self.done = asyncio.Event()
         self.limits = EngineLimits()
         self._reported = EngineLimits()  # what the engine reported this session (the flags aside)
+        # Whether this session found --model in the engine's /v1/models (None: unread), which only
+        # engines that refuse unlisted models require (_served_model_len)
+        self._model_listed: bool | None = None
         if isinstance(self.adapter, ZmqEventsAdapter):
             self.adapter.engine_changed = self._engine_changed
         self.kv_bytes_per_token: int | None = None
@@ -795,10 +798,14 @@ class WorkerShim:
             return f"its limits could not be read again ({clipped(repr(exc))})"
         if eng != self._reported:
             return f"its limits went from {self._reported} to {eng}"
+        # As the session found them: an engine that did not list --model (SGLang under another
+        # served name) or whose /v1/models was unread (where allowed) ended every session that
+        # reconnected, where nothing had changed (final read of 2026-12-07)
         if models is None:
-            return f"its /v1/models could not be read again at {c.engine_url}"
+            unread = self._model_listed is None
+            return None if unread else f"its /v1/models could not be read again at {c.engine_url}"
         if c.model not in models:
-            return f"it no longer lists --model {c.model}"
+            return f"it no longer lists --model {c.model}" if self._model_listed else None
         if (now := models[c.model].max_model_len) != self.limits.max_model_len:
             return f"--model's max_model_len went from {self.limits.max_model_len} to {now}"
         return None
@@ -870,6 +877,7 @@ class WorkerShim:
         error, an unreadable /v1/models fails the session (retried): unread is not "listed"."""
         c = self.config
         models = await self.adapter.served_models()
+        self._model_listed = None if models is None else c.model in models
         if models is None and self.adapter.requires_served_model:
             raise EngineError(
                 503, "engine_unavailable", f"GET {c.engine_url}/v1/models failed: --model is checked before registering"
