@@ -12,7 +12,7 @@ from etcd3aio import EtcdConnectionError, EtcdError, EtcdTransientError
 from discovery.auth_token import rejects_token
 from discovery.lease import said
 
-__all__ = ["NO_SPACE", "REFUSED", "TLS", "TLS_FAILED", "TOKEN_FORGOTTEN", "UNANSWERED", "advice"]
+__all__ = ["CALL_FAILED", "NO_SPACE", "REFUSED", "TLS", "TLS_FAILED", "TOKEN_FORGOTTEN", "UNANSWERED", "advice"]
 
 UNANSWERED = "check --etcd-endpoints and the server"
 # etcd's words (its rpctypes ErrGRPCNoSpace) once its backend reached --quota-backend-bytes: it
@@ -38,13 +38,13 @@ TOKEN_FORGOTTEN = (
     "taken and the next try uses it"
 )
 _UNANSWERED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_CALL_FAILED = (TimeoutError, EtcdError, grpc.aio.AioRpcError, grpc.Call)  # how an etcd call fails
+CALL_FAILED = (TimeoutError, EtcdError, grpc.RpcError)  # how an etcd call fails (AioRpcError is an RpcError)
 
 
 def advice(exc: BaseException) -> str:
     """What to do about `exc`, a failed etcd call (or the error raised from one, a DiscoveryError);
     "" for anything else (a DiscoveryError of discovery's own, with no call's error under it)."""
-    if not isinstance(exc, _CALL_FAILED):
+    if not isinstance(exc, CALL_FAILED):
         if exc.__cause__ is None:
             return ""
         exc = exc.__cause__

@@ -10,12 +10,12 @@ from typing import Self, TypeVar
 
 import grpc
 import msgspec
-from etcd3aio import Etcd3Client, EtcdError, EtcdPermissionDeniedError, prefix_range_end
+from etcd3aio import Etcd3Client, EtcdPermissionDeniedError, prefix_range_end
 from etcd3aio._protobuf import Compare
 from etcd3aio.kv import KVService
 from etcd3aio.watch import WatchService
 
-from discovery.advice import TLS_FAILED
+from discovery.advice import CALL_FAILED, TLS_FAILED
 from discovery.auth_token import TokenKeeper
 from discovery.lease import Lease, said
 from discovery.watch import ReadHealth, WatchEvent, watch_prefix
@@ -50,7 +50,6 @@ _AUTH_OFF = "authentication is not enabled"
 _TIMED_OUT = ("timed out", "ping timeout", "DEADLINE_EXCEEDED")
 _REQUIRE_LEADER = ("hasleader", "true")
 _PING_KEY = "__etcd3aio:ping__"  # what etcd3aio's ping reads (kvswitch.etcd_auth grants it)
-_CALL_FAILED = (EtcdError, TimeoutError, grpc.aio.AioRpcError)  # how an etcd call fails
 
 
 class DiscoveryError(RuntimeError):
@@ -203,7 +202,7 @@ class Discovery:
             if token is not None:
                 await token.start()
             await client.ping(write_check=False, timeout=timeout)
-        except _CALL_FAILED as exc:
+        except CALL_FAILED as exc:
             if token is not None:
                 await token.stop()
             await client.close()
@@ -225,7 +224,7 @@ class Discovery:
         it), or as it is when `error` is None."""
         try:
             yield
-        except _CALL_FAILED as exc:
+        except CALL_FAILED as exc:
             self._failed(exc)
             if error is None:
                 raise

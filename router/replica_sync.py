@@ -572,11 +572,8 @@ class ReplicaSync:
 
     def _plausible(self, peer: str, bookings: list[SyncBooking]) -> list[SyncBooking]:
         """`bookings` but those no request makes (`_implausible`), each counted malformed."""
-        most = {
-            worker: min(self.view.capacity(worker) or MAX_BOOKING, MAX_BOOKING)
-            for worker in {b.worker for b in bookings}
-        }
-        if all(b.tokens <= MAX_BOOKING and b.blocks <= most[b.worker] for b in bookings):
+        most = {worker: self._most_blocks(worker) for worker in {b.worker for b in bookings}}
+        if all(b.tokens <= MAX_BOOKING and b.blocks <= most[b.worker] for b in bookings):  # one lookup a worker
             return bookings
         kept = []
         for b in bookings:
@@ -647,8 +644,12 @@ class ReplicaSync:
             ", and no further sender is named" if last else "",
         )
 
+    def _most_blocks(self, worker: str) -> int:
+        """The most blocks a booking on `worker` can hold: its KV capacity as its reports say."""
+        return min(self.view.capacity(worker) or MAX_BOOKING, MAX_BOOKING)
+
     def _implausible(self, worker: str, tokens: int, blocks: int) -> str | None:
-        most = min(self.view.capacity(worker) or MAX_BOOKING, MAX_BOOKING)
+        most = self._most_blocks(worker)
         if tokens > MAX_BOOKING or blocks > most:
             return f"{tokens} tokens and {blocks} blocks on {worker} (at most {MAX_BOOKING} and {most})"
         return None
