@@ -133,8 +133,11 @@ class ClientBuffers:
         self._cut = cut
 
     def fits(self, size: int) -> bool:
-        """A whole answer of `size` bytes can be admitted at all."""
-        return size + SPARE_BYTES <= self.budget
+        """A whole answer of `size` bytes can be admitted at all; one that cannot is counted refused."""
+        if size + SPARE_BYTES <= self.budget:
+            return True
+        self.cuts["refused"] += 1
+        return False
 
     def hold(self, size: int) -> HeldAnswer:
         """Hold a whole answer (`fits` it) from now until `release`: at once, with no await, so

@@ -673,7 +673,6 @@ class _Handlers:
         buffers = self.path.dispatcher.buffers
         size = resp.content_length or 0
         if not buffers.fits(size):  # refused before its head goes out, and not retried as a 5xx is
-            buffers.cuts["refused"] += 1
             raise ApiError(
                 400,
                 f"the answer is {size} bytes, more than this router holds for all its clients at once "

@@ -81,13 +81,14 @@ class TokenizerRetry:
                 why = str(exc)
             else:
                 if fp is not None:
+                    found = registered_as(fp)
                     log.info(
                         "the engine's tokenizer was probed on try %d (%s): registered, so routers send text "
                         "requests to this worker again",
                         self.tries,
-                        registered_as(fp),
+                        found,
                     )
-                    self._on_found(registered_as(fp))
+                    self._on_found(found)
                     return
                 why = "the adapter cannot ask the engine to tokenize"
             log.warning(
