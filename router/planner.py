@@ -121,6 +121,7 @@ class Planner:
         fingerprints: FingerprintDays | None = None,
         fleet_log: FleetLog | None = None,
         unrouted: Callable[[str], Sequence[WorkerStatus]] = lambda model: (),
+        caveat: str | None = None,
     ) -> None:
         """`calibration`: when given, candidates carry each worker's fitted timing (the owner feeds
         it every load report) and admission reads prefill rates from it. `timer` times the policy
@@ -131,7 +132,10 @@ class Planner:
         one of a template that writes the date, that the date may be why. `fleet_log`: its router's, for the
         lines of the parts it makes (router.fleet_lines). `unrouted(name)`: the registered workers a
         request naming it would run on that `workers` leaves out (router.worker_registry: a
-        max_model_len not their model's), which a 503 for want of a worker names with why."""
+        max_model_len not their model's), which a 503 for want of a worker names with why.
+        `caveat`: why no --tokenizer makes this router's ids the engines' (HfPromptTokenizer.caveat),
+        told a refused client in place of that advice, as router.tokenization.FingerprintWatch tells it."""
+        self.caveat = caveat
         self.disagg = Disaggregator(
             settings, Selector(rng or random.Random()), TransferHealth(clock=clock, fleet_log=fleet_log), timer=timer
         )
@@ -299,10 +303,11 @@ class Planner:
         mine, theirs = self.eligibility.tokenizer, info.tokenizer
         if mine is None:
             return f"text prompts need the served model's tokenizer (the worker's is {theirs}): give --tokenizer"
-        return (
-            f"its tokenizer is {theirs}, the router's is {mine}{self._dated()}: its text prompts need a router "
-            f"with its tokenizer (one router per tokenizer: --model {info.model} --tokenizer)"
+        need = self.caveat or (
+            f"its text prompts need a router with its tokenizer (one router per tokenizer: --model {info.model} "
+            "--tokenizer)"
         )
+        return f"its tokenizer is {theirs}, the router's is {mine}{self._dated()}: {need}"
 
     def _dated(self) -> str:
         """Why a worker of the router's own tokenizer may differ: its template writes the date."""
@@ -326,12 +331,17 @@ class Planner:
                 "each shim tries again: its log says why), so no router tokenizes for them: send token ids (a "
                 "completion's `prompt` as a list of ids)"
             )
+        own = (
+            f"{self.caveat}. Send"
+            if self.caveat
+            else f"A router tokenizes with one tokenizer: send {model}'s text requests to a router of its own "
+            f"(`kvswitch router --model {model} --tokenizer` naming {model}'s tokenizer), or send"
+        )
         return (
             f"no decode or agg worker of model {model} takes text prompts from this router: it tokenizes "
             f"with {self.eligibility.tokenizer or 'no tokenizer'}, model {model}'s workers with "
-            f"{', '.join(theirs)}{self._dated()}. A router tokenizes with one tokenizer: send {model}'s text "
-            f"requests to a router of its own (`kvswitch router --model {model} --tokenizer` naming {model}'s "
-            f"tokenizer), or send token ids (a completion's `prompt` as a list of ids) to this one.{also}"
+            f"{', '.join(theirs)}{self._dated()}. {own} token ids (a completion's `prompt` as a list of ids) to "
+            f"this one.{also}"
         )
 
     def text_refusals(self, model: str | None = None) -> list[str]:

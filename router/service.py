@@ -485,6 +485,7 @@ class RouterService:
             fingerprints=self.fingerprint_days,
             fleet_log=self.fleet_log,
             unrouted=self.unrouted,
+            caveat=self.tokenizer.caveat,
         )
         self._ingest = KvIngest(
             self._kv_nc,

@@ -215,3 +215,24 @@ def test_a_router_takes_text_to_a_worker_whose_engine_probed_tomorrow(
     router.fingerprints.check(worker)
     assert router.fingerprints.report()["text_refused"] == []
     assert router.eligibility.takes_text(worker)
+
+
+def test_the_planner_tells_a_refused_client_the_tokenizers_caveat_not_to_give_another(
+    dated: PromptTokenizer,
+) -> None:
+    """A tokenizer whose class transformers builds with its own pipeline (router.tokenizer_class)
+    has a caveat: no --tokenizer mends the mismatch. /debug/workers said so, while the 503 of a
+    text request told the client to find a router with the worker's tokenizer (final read of
+    2026-12-07)."""
+    days = FingerprintDays(
+        partial(fingerprints_on, dated), now=_at(datetime.datetime(2026, 12, 7, 12, tzinfo=datetime.UTC))
+    )
+    other = _info("w1", "tok-0123456789abcdef")
+    planner = standalone_planner(
+        RouterSettings(), lambda: [other], index=BlockIndex(), view=LoadView(), tokenizer=days.current
+    )
+    planner.caveat = "tokenizer_config.json names Qwen3_5Tokenizer: save the tokenizer as the engine loads it"
+    assert planner._tokenizer_why(other).endswith(planner.caveat)
+    refusal = planner.text_refusal("m", [other])
+    assert planner.caveat in refusal and "a router of its own" not in refusal
+    assert refusal.endswith("Send token ids (a completion's `prompt` as a list of ids) to this one.")
