@@ -25,17 +25,28 @@ import grpc
 from etcd3aio import Etcd3Client, EtcdError, EtcdUnauthenticatedError, prefix_range_end
 from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchResponse
 
+from discovery.advice import CALL_FAILED, advice
 from discovery.answer_deadline import answer_within
 from discovery.lease import said
 from protocol import subjects
 
-__all__ = ["Deleted", "Put", "ReadHealth", "Snapshot", "WatchEvent", "keep_following", "watch_prefix"]
+__all__ = [
+    "Deleted",
+    "Put",
+    "ReadHealth",
+    "Snapshot",
+    "WatchEvent",
+    "keep_following",
+    "read_retried",
+    "watch_prefix",
+]
 
 log = logging.getLogger(__name__)
 V = TypeVar("V")
+T = TypeVar("T")
 KeyValue: TypeAlias = Any  # etcd's mvccpb.KeyValue (generated, untyped): key, value, lease
 PAGE = 256  # keys one read asks for: 256 worker records are ~0.5 MB, far below gRPC's 4 MiB
-# A failing read is retried at double the delay each time, up to this: a lease renews at 1 s too
+# A failing read is retried at double the delay each time (read_retried), up to this: a lease renews at 1 s too
 # (discovery.lease.RETRY_MAX_S), and a worker set read later than that after etcd is back leaves
 # the workers that registered anew unseen, their load reports dropped and requests refused.
 READ_RETRY_MAX_S = 1.0
@@ -140,7 +151,14 @@ async def watch_prefix(
     cancelled = ""  # why etcd cancelled the watch last, said once until a watch works again
     silent = False  # a watch went unanswered, said once until one is answered again
     while True:
-        revision, kvs, too_large = await _read(client, prefix, start, end, retry_s, failed, health)
+        revision, kvs, too_large = await read_retried(
+            lambda: _pages(client, start, end),
+            f"watch {prefix}",
+            errors=(EtcdError, TimeoutError, grpc.aio.AioRpcError),
+            first_s=retry_s,
+            failed=failed,
+            health=health,
+        )
         if revision < latest:
             log.warning(
                 "watch %s: etcd's revision went back from %d to %d: its data was replaced (lost, or "
@@ -251,32 +269,39 @@ async def _stream(client: Etcd3Client, start: bytes, end: bytes, revision: int) 
         call.cancel()
 
 
-async def _read(
-    client: Etcd3Client,
-    prefix: str,
-    start: bytes,
-    end: bytes,
-    retry_s: float,
-    failed: Callable[[BaseException], None],
-    health: ReadHealth,
-) -> tuple[int, list[KeyValue], dict[bytes, str]]:
-    """`_pages` until it succeeds: a failure is logged once per episode (and once it works again),
-    held in `health`, and retried after a delay that doubles up to READ_RETRY_MAX_S."""
-    delay = retry_s
+async def read_retried(
+    read: Callable[[], Awaitable[T]],
+    what: str,
+    *,
+    errors: tuple[type[BaseException], ...],
+    first_s: float = 0.5,
+    advise: bool = False,
+    failed: Callable[[BaseException], None] = lambda exc: None,
+    health: ReadHealth | None = None,
+) -> T:
+    """`read()`, a read from etcd, until it answers. A failure (one of `errors`) is said once per
+    episode at WARNING, `<what>: reading it failed (<why>); retrying, said again once it works`,
+    and at INFO once it works again; told to `failed`, held in `health`, and retried after a delay
+    that doubles from `first_s` up to READ_RETRY_MAX_S. Why is the etcd call's error (the one a
+    DiscoveryError was raised from), with what to do about it (discovery.advice) where `advise`."""
+    health = health if health is not None else ReadHealth()
+    delay = first_s
     while True:
         try:
-            got = await _pages(client, start, end)
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            got = await read()
+        except errors as exc:
             failed(exc)
-            health.why = said(exc)
+            call = exc if isinstance(exc, CALL_FAILED) or exc.__cause__ is None else exc.__cause__
+            health.why = said(call)
             if health.since is None:
                 health.since = health.clock()
-                log.warning("watch %s: reading it failed (%s); retrying, said again once it works", prefix, health.why)
+                hint = f": {to_do}" if advise and (to_do := advice(exc)) else ""
+                log.warning("%s: reading it failed (%s%s); retrying, said again once it works", what, health.why, hint)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, max(READ_RETRY_MAX_S, retry_s))
+            delay = min(delay * 2, max(READ_RETRY_MAX_S, first_s))
             continue
         if health.since is not None:
-            log.info("watch %s: reading it works again, after %.1f s", prefix, health.clock() - health.since)
+            log.info("%s: reading it works again, after %.1f s", what, health.clock() - health.since)
             health.since, health.why = None, ""
         return got
 

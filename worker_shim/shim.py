@@ -47,8 +47,8 @@ from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState, advice
-from discovery.watch import READ_RETRY_MAX_S, keep_following
+from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
+from discovery.watch import keep_following, read_retried
 from protocol import (
     Cleared,
     ConfigError,
@@ -131,7 +131,6 @@ UNSUB_S = 10.0  # the most a worker id's close waits for its server's barrier an
 # (a frozen server held the stop 10 s per id before, one barrier per id, each up to its full timeout).
 UNSUB_STOP_S = 2.0
 ORPHAN_CHECK_S = 1.0  # how often the legs of routers gone from etcd are looked for
-READ_RETRY_FIRST_S = 0.5  # the routers' first read, after etcd failed it (doubling to READ_RETRY_MAX_S)
 ORPHAN_ERROR_SAID_S = 60.0  # a check that keeps failing with one kind of error is said at most this often
 # A session that cannot bind the events endpoint yet is said at WARNING at most this often (INFO
 # between): one a second (health_interval_s) for the minute a port stays in TIME_WAIT was 60 lines.
@@ -1862,31 +1861,13 @@ class WorkerShim:
         discovery, prefix = self._discovery, subjects.routers_prefix(self.ns)
         assert discovery is not None
 
-        async def readable() -> bool:
-            """Whether this worker may read the routers' keys, once etcd says. etcd not answering
-            (gone since connect) is retried here, said once and again once it answers, as the
-            watch's own read does: raised, it was a crash in keep_following, an ERROR with its
-            traceback every 30 s for the whole outage (review of 2026-12-07)."""
-            delay, since = READ_RETRY_FIRST_S, None
-            while True:
-                try:
-                    may = await discovery.readable(prefix)
-                except DiscoveryError as exc:
-                    if since is None:
-                        since = time.monotonic()
-                        hint = f": {what}" if (what := advice(exc)) else ""
-                        log.warning("the routers' watch: %s%s; retrying, said again once it works", exc, hint)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, READ_RETRY_MAX_S)
-                    continue
-                if since is not None:
-                    log.info(
-                        "the routers' watch: reading %s works again, after %.1f s", prefix, time.monotonic() - since
-                    )
-                return may
-
         async def follow() -> None:
-            if not await readable():
+            # etcd gone since connect is retried, said once: raised, it was a crash in keep_following,
+            # an ERROR with its traceback every 30 s for the whole outage (review of 2026-12-07).
+            may = await read_retried(
+                lambda: discovery.readable(prefix), f"watch {prefix}", errors=(DiscoveryError,), advise=True
+            )
+            if not may:
                 log.error(
                     "this worker's etcd user may not read %s: the legs of a router that dies without its drain "
                     "run on here until they end. Grant it read there (kvswitch secrets --etcd-endpoint does, "

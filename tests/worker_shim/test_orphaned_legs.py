@@ -315,8 +315,9 @@ async def test_etcd_gone_before_the_routers_first_read_is_said_once_not_a_crash_
 ) -> None:
     """etcd stopped between the shim's connect and the routers' watch's first read (whether this
     worker may read them): the DiscoveryError reached keep_following, an ERROR with its traceback
-    every 30 s for the whole outage (review of 2026-12-07). Now a WARNING, then an INFO once etcd
-    answers and the watch runs."""
+    every 30 s for the whole outage (review of 2026-12-07). Now a WARNING, in the words of the
+    watch's own read (discovery.watch.read_retried) with what to do, then an INFO once etcd answers
+    and the watch runs."""
     caplog.set_level(logging.INFO)
     etcd = EtcdServer().start()
     try:
@@ -343,14 +344,15 @@ async def test_etcd_gone_before_the_routers_first_read_is_said_once_not_a_crash_
                 await cancel_and_wait(watchdog)
     finally:
         etcd.close()
-    shim_said = [r for r in caplog.records if r.name == "worker_shim.shim"]
+    said = [r for r in caplog.records if r.name == "discovery.watch" and r.getMessage().startswith("watch /t/routers/")]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
-    warned = [r.getMessage() for r in shim_said if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and warned[0].startswith("the routers' watch: reading /t/routers/ failed: "), warned
-    assert "--etcd-endpoints" in warned[0] and "\n" not in warned[0]
-    [back] = [r.getMessage() for r in shim_said if r.levelno == logging.INFO]
-    assert back.startswith("the routers' watch: reading /t/routers/ works again, after "), back
+    warned = [r.getMessage() for r in said if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and warned[0].startswith("watch /t/routers/: reading it failed ("), warned
+    assert warned[0].endswith("check --etcd-endpoints and the server); retrying, said again once it works"), warned
+    assert "\n" not in warned[0]
+    [back] = [r.getMessage() for r in said if r.levelno == logging.INFO]
+    assert back.startswith("watch /t/routers/: reading it works again, after "), back
 
 
 def _said(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "worker_shim.shim" and text in r.getMessage()]
+    return [r for r in caplog.records if r.name == "discovery.watch" and text in r.getMessage()]
