@@ -1301,18 +1301,24 @@ class WorkerShim:
         new one each try (until 2026-12-07) read the engine's limits and tokenizer and asked it for
         a full replay of its KV events, every health_interval_s while etcd was down."""
         assert self._events_task is not None
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        ended = (stopping, self._events_task)
-        try:
-            await asyncio.wait(ended, timeout=self.config.health_interval_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
+        await self._next_check()
         if self._stopping.is_set():
             return False
         if self._events_task.done():
             self._events_ended(self._events_task)
             return False
         return await self.adapter.health() is EngineHealth.UP
+
+    async def _next_check(self) -> None:
+        """Wait health_interval_s, cut short by the shim's stop or the end of the event stream (it
+        ends on an engine restart, EngineRestarted, seen at once)."""
+        assert self._events_task is not None
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        ended = (stopping, self._events_task)
+        try:
+            await asyncio.wait(ended, timeout=self.config.health_interval_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
 
     async def _took_over(self, exc: KeyTaken) -> bool:
         """Whether the holder of a held --worker-name or engine claim was proven gone and its lease
@@ -1654,16 +1660,7 @@ class WorkerShim:
         adapters_due = time.monotonic() + ADAPTERS_POLL_S
         assert self._events_task is not None and self.registration is not None
         while not self._stopping.is_set():
-            # The event stream's end is seen at once: it ends on an engine restart (EngineRestarted).
-            stopping = asyncio.ensure_future(self._stopping.wait())
-            try:
-                await asyncio.wait(
-                    (stopping, self._events_task),
-                    timeout=self.config.health_interval_s,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            finally:
-                stopping.cancel()
+            await self._next_check()
             if self._stopping.is_set():
                 return None
             self._cut_off.check(self.registration)
