@@ -36,7 +36,7 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -99,6 +99,7 @@ from worker_shim.model_config import kv_bytes_per_token
 from worker_shim.nats_connect import connect_nats
 from worker_shim.normaliser import Normaliser, NormaliserStats
 from worker_shim.orphaned_legs import OrphanedLegs
+from worker_shim.rebuild_guard import RebuildGuard
 from worker_shim.request_service import RequestService, leg_cap
 from worker_shim.tokenizer_probe import TokenizerRetry, registered_as, transient
 from worker_shim.transfer_failures import TransferFailures
@@ -120,10 +121,6 @@ _TRANSIENT_STATUS = (408, 429)  # refusals that pass, like a 5xx: retried
 # slow /metrics' probe timeout) is unknown: the progress watchdog takes no silence from it.
 STALE_READINGS = 3
 STALE_MIN_S = 3.0
-# Rebuilds an unknown parent asks for (see _RebuildGuard): one this soon after the last is a repeat.
-REBUILD_REPEAT_S = 5.0
-REBUILD_BACKOFF_S = 5.0
-REBUILD_BACKOFF_MAX_S = 300.0
 ALIVE_TOKEN = 1  # the prompt of the one-token request that tells a hung engine with nothing to do serves again
 ALIVE_OUTPUT_TOKENS = 1
 UNSUB_S = 10.0  # the most a worker id's close waits for its server's barrier and handlers
@@ -196,58 +193,6 @@ class _Progress:
             or self.kv_usage != before.kv_usage
             or any(n > before.sent.get(leg, 0) for leg, n in self.sent.items())
         )
-
-
-class _RebuildGuard:
-    """Holds the rebuilds unknown parents ask for while rebuilding does not cure them.
-
-    An event the decoder cannot read is dropped, and its children name an unknown parent on every
-    replay too: each rebuild's own replay asked for the next, at the adapter's poll rate, each one a
-    Cleared to every router. So a parent that is unknown again within REBUILD_REPEAT_S of the
-    rebuild it asked for is one rebuilding does not cure: rebuilds asked for by such parents alone
-    are held (not made: counted) until REBUILD_BACKOFF_S after that rebuild, doubling per repeat up to
-    REBUILD_BACKOFF_MAX_S, said at ERROR per step; that long without an unknown parent forgets them.
-    Any other unknown parent rebuilds at once, and so does the first one after a hold.
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self.held = 0
-        self._asked_at = float("-inf")
-        self._asked_for: set[int] = set()
-        self._seen_at = float("-inf")
-        self._uncured: set[int] = set()
-        self._backoff = 0.0
-        self._hold_until = float("-inf")
-
-    def ask(self, parents: set[int]) -> bool:
-        """Whether the rebuild the unknown `parents` ask for now is made."""
-        now = self.clock()
-        if now - self._seen_at >= REBUILD_BACKOFF_MAX_S:
-            self._backoff, self._uncured = 0.0, set()
-        self._seen_at = now
-        since = now - self._asked_at
-        again = parents & self._asked_for if since < REBUILD_REPEAT_S else set()
-        if again:
-            self._uncured |= again
-            self._asked_for = set()
-            self._backoff = min(max(2 * self._backoff, REBUILD_BACKOFF_S), REBUILD_BACKOFF_MAX_S)
-            self._hold_until = self._asked_at + self._backoff
-            log.error(
-                "KV event with an unknown parent again %.1fs after the rebuild it asked for: the engine's own "
-                "replay names parents it never stored (an event the shim cannot read? see "
-                "kvswitch_shim_kv_events_malformed_total and kvswitch_shim_kv_events_unknown_type_total); "
-                "rebuilds for them are held for %.0fs "
-                "(kvswitch_shim_kv_rebuilds_held_total)",
-                since,
-                self._backoff,
-            )
-        fresh = parents - self._uncured
-        if not fresh and now < self._hold_until:
-            self.held += 1
-            return False
-        self._asked_at, self._asked_for = now, fresh or parents
-        return True
 
 
 def _unanswered_warning(workers: Sequence[str], bound: float, exc: BaseException) -> None:
@@ -343,7 +288,7 @@ class WorkerShim:
         self.load_polls_failed: Counter[str] = Counter()  # by kind, by every worker id's reporter
         self.engine_events = 0
         self.engine_batches = {True: 0, False: 0}
-        self.rebuild_guard = _RebuildGuard()
+        self.rebuild_guard = RebuildGuard()
         self.http = ShimHttpServer(self.config.http_host, self.config.http_port, self.health_report, self.metrics_text)
         self._nc: Nats | None = None
         self._discovery: Discovery | None = None

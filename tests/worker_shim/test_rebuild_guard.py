@@ -22,7 +22,8 @@ from tests.worker_shim.test_zmq_events import StandIn
 from worker_shim import EngineBatch, EngineStored, Normaliser
 from worker_shim.adapters import zmq_events
 from worker_shim.config import ShimConfig
-from worker_shim.shim import REBUILD_BACKOFF_MAX_S, WorkerShim
+from worker_shim.rebuild_guard import REBUILD_BACKOFF_MAX_S
+from worker_shim.shim import WorkerShim
 
 B = 4
 HELD = "kvswitch_shim_kv_rebuilds_held_total"
