@@ -29,12 +29,14 @@ not start either.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken
+
+from router.tokenizer_class import Rebuild
 
 __all__ = ["SpecialTokens", "SpecialTokensError", "read_special_tokens"]
 
@@ -108,31 +110,25 @@ def _decoder(entries: Any, where: str) -> dict[float, AddedToken]:
 
 
 def read_special_tokens(
-    folder: Path,
-    config: Mapping[str, Any],
-    added: Mapping[int, AddedToken],
-    defaults: Mapping[str, str] | None = None,
-    rebuilt: bool = False,
-    class_extras: Sequence[str] = (),
+    folder: Path, config: Mapping[str, Any], added: Mapping[int, AddedToken], own: Rebuild | None = None
 ) -> SpecialTokens:
     """The special tokens of the tokenizer in `folder`, whose tokenizer_config.json is `config` and
     whose tokenizer.json has the added tokens `added` (id: AddedToken), as transformers reads them
-    (`from_pretrained`, then the tokenizer's `__init__`), step for step. `defaults`: the tokenizer
-    class's own, for a named token the files do not mention (not one they set to null); `rebuilt`:
-    the class rebuilt the tokenizer from the vocabulary, so it has none of `added` as added tokens;
-    `class_extras`: the special-token arguments of the class's `__init__` it makes the extra special
-    tokens, in its order, where the files list none (CodeLlamaTokenizer's infill tokens;
-    router.tokenizer_class)."""
+    (`from_pretrained`, then the tokenizer's `__init__`), step for step. `own`: the class that
+    rebuilds the tokenizer from the vocabulary (router.tokenizer_class), so it has none of `added`
+    as added tokens; its defaults stand for a named token the files do not mention (not one they
+    set to null), and its `extras` become the extra special tokens where the files list none
+    (CodeLlamaTokenizer's infill tokens)."""
     read = _Read(folder, config, added)
-    for key, value in (defaults or {}).items():
+    for key, value in (own.defaults if own is not None else {}).items():
         read.kwargs.setdefault(key, value)
     named, extras = read.special_tokens()
-    if class_extras and "extra_special_tokens" not in read.kwargs:
+    if own is not None and own.extras and "extra_special_tokens" not in read.kwargs:
         # the `__init__`'s own arguments: its default where the config spells the token (that goes to
         # the named tokens instead), none where the config sets it to null
-        extras = [token for key in class_extras if (token := read.kwargs.get(key)) is not None]
+        extras = [token for key in own.extras if (token := read.kwargs.get(key)) is not None]
     spellings = {k: str(v) for k, v in named.items() if v is not None}
-    return SpecialTokens(spellings, _to_add(read.decoder, named, extras, {} if rebuilt else added))
+    return SpecialTokens(spellings, _to_add(read.decoder, named, extras, {} if own is not None else added))
 
 
 class _Read:

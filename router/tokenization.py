@@ -247,9 +247,7 @@ class HfPromptTokenizer:
             raise TokenizerError(exc.what, exc.why) from exc
         own = REBUILT.get(built)
         try:
-            specials = read_special_tokens(
-                folder, config, added, own.defaults if own else None, own is not None, own.extras if own else ()
-            )
+            specials = read_special_tokens(folder, config, added, own)
         except SpecialTokensError as exc:
             raise TokenizerError(exc.what, exc.why) from exc
         if own is not None:
