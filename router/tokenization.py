@@ -237,25 +237,40 @@ class HfPromptTokenizer:
             self._tok = HfRawTokenizer.from_file(str(file))
         except Exception as exc:  # the Rust side raises plain Exception for a bad file
             raise TokenizerError(str(file), f"not a tokenizers JSON: {exc}") from exc
-        added = self._tok.get_added_tokens_decoder()  # tokenizer.json's, which a rebuilt one has not
-        folder = file.parent
-        config = _read_json(folder / "tokenizer_config.json")
+        config = _read_json(file.parent / "tokenizer_config.json")
         self.caveat: str | None = None
         try:
-            built = class_for(str(path), config, folder)
-        except TokenizerClassError as exc:
+            specials = self._as_transformers_builds(str(path), file, config)
+        except (TokenizerClassError, SpecialTokensError) as exc:
             raise TokenizerError(exc.what, exc.why) from exc
+        self.name = str(path)
+        self._specials = specials
+        self._specials.setdefault("bos_token", "")
+        self._specials.setdefault("eos_token", "")
+        self._env = _environment()
+        templates = _chat_templates(file.parent, config)
+        # one template, or transformers' named ones (`default`, `tool_use`, ...)
+        self._source = templates if isinstance(templates, str) else None
+        self._named = templates if isinstance(templates, dict) else {}
+        self._templates = {s: self._compile(s) for s in [*self._named.values(), self._source] if s is not None}
+        # vLLM's --default-chat-template-kwargs: under a request's own, over the special tokens;
+        # its tools and documents count where the request gives none
+        defaults = dict(default_kwargs or {})
+        self._default_tools = defaults.pop("tools", None)
+        self._default_documents = defaults.pop("documents", None)
+        self._defaults = defaults
+
+    def _as_transformers_builds(self, name: str, file: Path, config: Mapping[str, Any]) -> dict[str, str]:
+        """Make `_tok`, loaded from `file` as saved, the tokenizer transformers 5 builds for `name`
+        (whose tokenizer_config.json is `config`): its class's pipeline, its special tokens added;
+        their spellings, what the template sees."""
+        folder = file.parent
+        built = class_for(name, config, folder)
         own = REBUILT.get(built)
-        try:
-            specials = read_special_tokens(folder, config, added, own)
-        except SpecialTokensError as exc:
-            raise TokenizerError(exc.what, exc.why) from exc
+        specials = read_special_tokens(folder, config, self._tok.get_added_tokens_decoder(), own)
         if own is not None:
             # transformers 5 builds the class from the vocabulary with its own pipeline
-            try:
-                self._tok = rebuild(built, file, self._tok, config, specials.spellings)
-            except TokenizerClassError as exc:
-                raise TokenizerError(exc.what, exc.why) from exc
+            self._tok = rebuild(built, file, self._tok, config, specials.spellings)
             log.info(
                 "%s names %s: its tokenizer is built from %s's vocabulary and merges with %s's own pipeline, as "
                 "transformers 5 (so vLLM) builds it (router.tokenizer_class)",
@@ -285,32 +300,14 @@ class HfPromptTokenizer:
         # both off for a plain encode.
         self._tok.no_truncation()
         self._tok.no_padding()
-        self.name = str(path)
         # transformers' flag: special tokens' spellings in a text are encoded as plain text
         self._tok.encode_special_tokens = config.get("split_special_tokens") is True
         # transformers adds the special tokens the config names and tokenizer.json lacks (vLLM's ids
         # have them); their spellings are what the template sees
         self._tok.add_tokens(specials.to_add)
         if own is not None and own.bos_only:
-            try:
-                self._tok.post_processor = bos_post_processor(self._tok, specials.spellings.get("bos_token"))
-            except TokenizerClassError as exc:
-                raise TokenizerError(exc.what, exc.why) from exc
-        self._specials = specials.spellings
-        self._specials.setdefault("bos_token", "")
-        self._specials.setdefault("eos_token", "")
-        self._env = _environment()
-        templates = _chat_templates(folder, config)
-        # one template, or transformers' named ones (`default`, `tool_use`, ...)
-        self._source = templates if isinstance(templates, str) else None
-        self._named = templates if isinstance(templates, dict) else {}
-        self._templates = {s: self._compile(s) for s in [*self._named.values(), self._source] if s is not None}
-        # vLLM's --default-chat-template-kwargs: under a request's own, over the special tokens;
-        # its tools and documents count where the request gives none
-        defaults = dict(default_kwargs or {})
-        self._default_tools = defaults.pop("tools", None)
-        self._default_documents = defaults.pop("documents", None)
-        self._defaults = defaults
+            self._tok.post_processor = bos_post_processor(self._tok, specials.spellings.get("bos_token"))
+        return specials.spellings
 
     def _compile(self, source: str) -> jinja2.Template:
         try:
