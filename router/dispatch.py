@@ -485,11 +485,12 @@ class Dispatcher:
             leg.prefilled = True
         leg.push(chunk, len(msg.data))
         if chunk.final:
+            leg.finished = True
             # Not at an error: a retry or the KV-transfer fallback books the request again.
             if chunk.error is None:
                 # An abort with no output and no `prefilled` before it may have prefilled nothing
                 # (SGLang's abort before prefill, the shim's answer to a cancel that came first)
-                leg.on_end(chunk.finish_reason != "abort" or leg.tokens_seen or leg.prefilled)
+                leg.end(chunk.finish_reason != "abort" or leg.tokens_seen or leg.prefilled)
         elif leg.request.stream:  # a whole answer is read as it comes
             if leg.queued > MAX_QUEUED_BYTES:
                 await self._slow_reader(leg)
@@ -506,7 +507,8 @@ class Dispatcher:
     async def _slow_reader(self, leg: Leg, *, over_budget: bool = False) -> None:
         """The leg's reader (a streaming client) fell MAX_QUEUED_BYTES behind its worker, or furthest
         behind of all when this replica's clients held more than its budget (router.client_buffers):
-        the leg ends now and is cancelled there, rather than its whole answer piling up here."""
+        the leg ends now and is cancelled there (unless its final chunk came), rather than its whole
+        answer piling up here."""
         self._legs.pop(leg.token, None)  # its later chunks are dropped
         self.slow_readers += 1
         idle = time.monotonic() - leg.taken_at
@@ -517,6 +519,9 @@ class Dispatcher:
             else f"over the router's limit of {MAX_QUEUED_BYTES}"
         )
         leg.drop(LegError(leg.worker, 408, SLOW_READER, why, retryable=False, role=leg.role))
+        if leg.finished:  # its worker is done with it: nothing to cancel
+            log.info("request %s: %s", leg.request_id, why, extra={"request_id": leg.request_id})
+            return
         log.info(
             "request %s: %s; its leg on worker %s is cancelled",
             leg.request_id,

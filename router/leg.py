@@ -158,8 +158,9 @@ class Leg:
     """One leg's reply stream; use as `async with`, iterate chunks; leaving early cancels it.
 
     Chunks wait in a deque and wake the reader through one future, not an asyncio.Queue read under
-    `wait_for`, which would cost a task per chunk. `on_end` runs when the final chunk arrives or the
-    leg is dropped (`drop`): the engine is done with it, whether or not it was read; its argument says
+    `wait_for`, which would cost a task per chunk. `on_end` runs once (`end`), when the final chunk
+    arrives or the leg is dropped (`drop`), whichever is first: the engine is done with it, whether
+    or not it was read; its argument says
     whether the engine prefilled the prompt (router.ledger keeps or withdraws its pending prefixes).
     (Not at an error chunk: one may be followed by a retry or a fallback that keeps the attempt's
     booking.)"""
@@ -196,6 +197,8 @@ class Leg:
         self._waiter: asyncio.Future[None] | None = None
         self.next_seq = 0
         self.done = False
+        self.finished = False  # its final chunk came: its worker runs it no more (nothing to cancel)
+        self._ended = False  # on_end ran
         self.tokens_seen = False
         self.prefilled = False  # a chunk said the engine prefilled the prompt (ResponseChunk.prefilled)
         self.sent_at = time.monotonic()  # its request goes out as it is made (Dispatcher._open)
@@ -220,7 +223,14 @@ class Leg:
         self._forget_queued()
         self.done = True  # cancelled by whoever dropped it
         self.push(error)
-        self.on_end(self.tokens_seen)
+        self.end(self.tokens_seen)
+
+    def end(self, prefilled: bool) -> None:
+        """The engine is done with the leg: `on_end(prefilled)`, unless it ran already (a stream
+        whose final chunk came, unread, is still dropped over the client buffer budget)."""
+        if not self._ended:
+            self._ended = True
+            self.on_end(prefilled)
 
     async def __aenter__(self) -> Leg:
         return self

@@ -734,6 +734,34 @@ async def test_a_cancel_lost_on_the_way_is_sent_again_on_the_legs_late_chunks(
     assert not d._cancelled  # forgotten at its final chunk
 
 
+async def test_a_stream_cut_over_the_budget_after_its_final_chunk_came_ends_once_and_is_not_cancelled(
+    nc: Client, ns: str, world: World
+) -> None:
+    """A stream whose final chunk came, unread, is cut over the client buffer budget (its client
+    reads nothing): its reader gets the 408 and its queue goes, but the engine, done with it, is
+    sent no cancel and its `on_end` runs no second time. Until 2026-12-07 both happened."""
+    d, _, _ = world
+    ends: list[bool] = []
+    cancels: list[str] = []
+
+    async def on_cancel(msg: Msg) -> None:
+        cancels.append(decode_msg(msg.data, CancelRequest).request_id)
+
+    await nc.subscribe(subjects.cancel(ns, "w1"), cb=on_cancel)
+    await Worker(nc, ns, "w1").serve("decode", answer)
+    req = GenerateRequest(request_id="r1", model="m", token_ids=[1, 2, 3])
+    async with await d._open("w1", "decode", req, time.monotonic() + 30, ends.append) as leg:
+        await until(lambda: ends == [True], what="the final chunk, unread")
+        d.buffers.budget = leg.queued - 1  # over the budget by this stream's queue alone
+        await d.buffers.make_room()
+        with pytest.raises(LegError) as cut:
+            await leg.next(5.0, 5.0)
+        assert cut.value.slow_reader and d.slow_readers == 1
+    await flush(nc)  # a cancel, had one gone, is back on this connection before the flush's PONG
+    await asyncio.sleep(0.05)  # and through its callback
+    assert ends == [True] and cancels == [] and not d._cancelled
+
+
 async def test_a_leg_ended_by_its_final_chunk_frees_its_booking_as_served_and_a_refused_one_does_not(
     nc: Client, ns: str, world: World
 ) -> None:
