@@ -190,12 +190,20 @@ class _TooLarge(Exception):
     """A message with no entry or booking in it is over the NATS server's max_payload."""
 
 
-def _said(taken: tuple[int, list[bytes]] | None) -> str:
-    """A snapshot in a line saying it was not sent: how large it is."""
-    if taken is None:
-        return ""
-    bookings, payloads = taken
-    return f" and a snapshot of {bookings} bookings ({sum(map(len, payloads))} bytes in {len(payloads)} messages)"
+def _unsent(entries: int, taken: tuple[int, list[bytes]] | None, first: int) -> str:
+    """What a flush whose publish failed left unsent: `entries` entries and the snapshot `taken`
+    from its part `first` on (its parts counted from 1 here; all of it where `first` <= 0)."""
+    said = [f"{entries} entr{'y' if entries == 1 else 'ies'}"] if entries else []
+    if taken is not None:
+        bookings, payloads = taken
+        parts = len(payloads)
+        if first <= 0:
+            said.append(f"a snapshot of {bookings} bookings ({sum(map(len, payloads))} bytes in {parts} messages)")
+        else:
+            which = f"part {parts}" if first == parts - 1 else f"parts {first + 1}-{parts}"
+            unsent = sum(map(len, payloads[first:]))
+            said.append(f"{which} of {parts} of a snapshot of {bookings} bookings ({unsent} bytes)")
+    return " and ".join(said)
 
 
 class ReplicaSync:
@@ -388,6 +396,7 @@ class ReplicaSync:
         # taken now, with no await since the swap: as these entries leave the view
         taken = self._snapshot() if snapshot else None
         messages += [(payload, 0) for payload in taken[1]] if taken is not None else []
+        first_part = len(messages) - (len(taken[1]) if taken is not None else 0)  # the snapshot's part 0
         for i, (payload, sent) in enumerate(messages):
             try:
                 await self._nc.publish(self._subject, payload)
@@ -395,7 +404,7 @@ class ReplicaSync:
                 # Peers then miss these entries; our next snapshot heals them (their TTL, an older peer's).
                 self.stats.send_failures += 1
                 unsent = sum(n for _, n in messages[i:])
-                log.warning("router sync: %d entries%s not sent (%s)", unsent, _said(taken), exc)
+                log.warning("router sync: %s not sent (%s)", _unsent(unsent, taken, i - first_part), exc)
                 return
             self._sent = True
             self.stats.messages_sent += 1

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
 import msgspec
+import nats
 import pytest
 from nats.aio.client import Client
 
@@ -582,3 +585,45 @@ async def test_bad_router_records_are_counted_said_once_per_key_capped_and_forge
         "at once: routers of a build whose records this router cannot read, or a writer other than the routers; "
         "counted in kvswitch_router_router_records_refused_total)"
     ], summary
+
+
+class _DroppingNats:
+    """A connection that publishes `fails_at` messages, then fails each publish (NATS dropped mid-flush)."""
+
+    max_payload = 1 << 20
+
+    def __init__(self, fails_at: int) -> None:
+        self.fails_at = fails_at
+        self.published: list[bytes] = []
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        if len(self.published) >= self.fails_at:
+            raise nats.errors.ConnectionClosedError
+        self.published.append(payload)
+
+
+@pytest.mark.parametrize(
+    ("fails_at", "said"),
+    [
+        (0, r"1 entry and a snapshot of 1201 bookings \(\d+ bytes in 3 messages\)"),
+        (2, r"parts 2-3 of 3 of a snapshot of 1201 bookings \(\d+ bytes\)"),
+        (3, r"part 3 of 3 of a snapshot of 1201 bookings \(\d+ bytes\)"),
+    ],
+)
+async def test_a_failed_publish_says_which_snapshot_parts_were_not_sent(
+    fails_at: int, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flush of one entry and a snapshot of three parts, its publishes failing from the
+    `fails_at`th on: the line names what went unsent. Until 2026-12-07 it named the whole snapshot
+    where only its later parts failed (its entry too, as "0 entries")."""
+    caplog.set_level(logging.WARNING, logger="router.replica_sync")
+    nc = _DroppingNats(fails_at)
+    a = ReplicaSync(cast(Client, nc), ns="t", router_id="ra", view=LoadView())
+    for i in range(1200):  # snapshot parts hold 500 bookings: three parts with the add below
+        a.view.book(f"r{i}", "w1", 10, 1)
+    a.add("new", "w1", 10, 1)
+    a._snapshot_due = True
+    await a._send()
+    assert len(nc.published) == fails_at and a.stats.send_failures == 1
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and re.fullmatch(rf"router sync: {said} not sent \(.*\)", lines[0]), lines
