@@ -111,7 +111,8 @@ class Disaggregator:
         self.selector = selector or Selector()
         self._timer = timer
         self.transfers = transfers or TransferHealth()
-        self._no_local_said: set[str] = set()  # decode workers whose overridden bypasses were said
+        # decode workers in the fleet whose overridden bypasses were said (forget: one that left)
+        self._no_local_said: set[str] = set()
         self.counts: Counter[Outcome] = Counter()
         self._unpaired: set[str] = set()  # models said to have no prefill worker while one was asked for
         self._install(settings, make_policy(settings.conditional, settings))
@@ -128,6 +129,11 @@ class Disaggregator:
         self._room: DecodeRoom | None = policy if self.policy_decides and isinstance(policy, DecodeRoom) else None
         self._fits: PrefillRoom | None = policy if self.policy_decides and isinstance(policy, PrefillRoom) else None
         self._learns: Learns | None = policy if isinstance(policy, Learns) else None
+
+    def forget(self, worker: str) -> None:
+        """`worker` left the fleet: what is kept of it goes (one that comes back is said anew)."""
+        self._no_local_said.discard(worker)
+        self.transfers.forget(worker)
 
     def record(self, outcome: Outcome) -> None:
         self.counts[outcome] += 1

@@ -1164,7 +1164,7 @@ class RouterService:
             self.eligibility.prefill_leg(worker, fault, serves_whole)
 
     def _on_worker_remove(self, worker: str) -> None:
-        self.planner.disagg.transfers.forget(worker)
+        self.planner.disagg.forget(worker)
         if self.calibration is not None:
             self.calibration.forget(worker)
         self.fingerprints.forget(worker)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 import pytest
 
@@ -199,6 +201,27 @@ def test_a_decode_worker_that_cannot_prefill_locally_is_planned_no_bypass(
     assert plan.prefill is not None and plan.prefill.worker == "p1" and "cannot prefill locally" in plan.reason
     dis.chosen(plan)
     assert dis.counts == {Outcome.REMOTE_NO_LOCAL_PREFILL: 1}
+
+
+def test_a_departed_decode_worker_is_forgotten_and_said_again_if_it_returns(caplog: pytest.LogCaptureFixture) -> None:
+    """The workers whose overridden bypasses were said are kept while they are in the fleet only:
+    until 2026-12-07 every departed one's name stayed for the router's life (one per restart of a
+    decode pod under a new id)."""
+    caplog.set_level(logging.INFO, logger="router.disagg")
+    dis = Disaggregator(settings(disagg="never"))
+    r = ctx(100, [_no_local(cand("d1"))], [cand("p1", "prefill")])
+    for _ in range(2):
+        plan = dis.plan(r)
+        assert plan is not None and plan.outcome is Outcome.REMOTE_NO_LOCAL_PREFILL
+        dis.chosen(plan)
+    said = [m for m in caplog.messages if "decode worker d1 cannot prefill locally" in m]
+    assert len(said) == 1
+    dis.forget("d1")
+    assert not dis._no_local_said
+    assert plan is not None
+    dis.chosen(plan)
+    said = [m for m in caplog.messages if "decode worker d1 cannot prefill locally" in m]
+    assert len(said) == 2
 
 
 def test_a_request_no_handle_serves_skips_a_decode_worker_that_cannot_prefill_locally() -> None:
