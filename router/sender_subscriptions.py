@@ -187,13 +187,11 @@ class SenderSubscriptions:
 
     async def caught_up(self, timeout: float, on_late: Callable[[], None] | None = None) -> bool:
         """Whether every message nats-server sent these subscriptions before this call has gone
-        through the handler; False once that takes past `timeout` s (about; twice at worst). With
-        `on_late`, that is called, once, and the wait goes on to the end (False then too: it did not
-        end in time): a barrier given
-        up and begun anew from a later snapshot never ended under a steady backlog longer than
-        `timeout`, and no batch was ever judged lost (a review of 2026-12-07). A connection down,
-        or dropping meanwhile, has its queued messages handled and no more waited for: what the
-        server had not delivered then never comes."""
+        through the handler within about `timeout` s (twice at worst). Without `on_late` the wait
+        gives up then (False); with it, `on_late` is called once then and the wait goes on to the
+        end, however long a steady backlog makes it (False too). A connection down, or dropping
+        meanwhile, has its queued messages handled and no more waited for: what the server had not
+        delivered then never comes."""
         loop = asyncio.get_running_loop()
         in_time = True
 
