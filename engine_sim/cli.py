@@ -21,7 +21,7 @@ import zmq
 
 from engine_sim.config import EVENT_FORMS, KV_LOAD_FAILURE_POLICIES, ROLES, KVEventsConfig, SimConfig
 from engine_sim.errors import SimConfigError
-from engine_sim.fleet import SimFleet, fleet_config
+from engine_sim.fleet import SimFleet, fleet_config, shared_ports
 from engine_sim.lora import LoraModule
 from engine_sim.server import ServerStatus
 from protocol.errors import listen_error, try_listen
@@ -194,6 +194,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             flag = "--" + exc.setting.replace("_", "-")
             got = exc.allowed if exc.setting == "kv_events_config" else f"{exc.value!r}: {exc.allowed}"
             raise SimConfigError("count", args.count, f"its last engine would get {flag} {got}") from None
+        if clash := shared_ports(config, args.count):
+            raise SimConfigError("count", args.count, clash)
     return config.check_kv_fits_max_model_len()
 
 

@@ -19,7 +19,7 @@ import msgspec
 from engine_sim.config import SimConfig
 from engine_sim.server import SimServer
 
-__all__ = ["SimFleet", "fleet_config"]
+__all__ = ["SimFleet", "fleet_config", "shared_ports"]
 
 
 def _offset_endpoint(endpoint: str | None, i: int) -> str | None:
@@ -41,6 +41,35 @@ def fleet_config(config: SimConfig, i: int) -> SimConfig:
         replay_endpoint=_offset_endpoint(ev.replay_endpoint, i),
     )
     return config.replace(port=config.port + i if config.port else 0, kv_events=ev)
+
+
+def _tcp_port(endpoint: str | None) -> int:
+    m = re.search(r":(\d+)$", endpoint or "")
+    return int(m.group(1)) if m and (endpoint or "").startswith("tcp://") else 0
+
+
+def shared_ports(config: SimConfig, count: int) -> str | None:
+    """What two of a fleet's sockets would both bind, said with the settings they come from; None
+    when every port is its own. Each setting's ports run + 0 to + count - 1, so two settings fewer
+    than `count` apart overlap (events :5557 and replay :5558 at --count 2: engine 1's events port
+    is engine 0's replay port)."""
+    ev = config.kv_events
+    bases = {
+        "--port": config.port,
+        "--kv-events-config's endpoint": _tcp_port(ev.endpoint) if ev.active else 0,
+        "--kv-events-config's replay_endpoint": _tcp_port(ev.replay_endpoint) if ev.active else 0,
+    }
+    taken: dict[int, tuple[str, int]] = {}
+    for what, base in bases.items():
+        for i in range(count if base else 0):
+            other, j = taken.setdefault(base + i, (what, i))
+            if other != what:
+                return (
+                    f"engine {j}'s {other} and engine {i}'s {what} are both port {base + i} "
+                    f"({other} {bases[other]}, {what} {base}, each + 0 to + {count - 1}): "
+                    f"give ports at least --count ({count}) apart"
+                )
+    return None
 
 
 class SimFleet:

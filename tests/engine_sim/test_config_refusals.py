@@ -39,6 +39,33 @@ def test_a_fleet_whose_last_engine_has_no_port_is_refused(
     assert all(n in err for n in needles), err
 
 
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        # engine_sim.md's first example, counted: engine 1's events port is engine 0's replay port
+        (["--port", "0", "--count", "64", "--kv-events-config",
+          _events(endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558")],
+         ["--count = 64", "engine 0's --kv-events-config's replay_endpoint",
+          "engine 1's --kv-events-config's endpoint", "port 5558", "at least --count (64) apart"]),
+        (["--port", "8000", "--count", "3", "--kv-events-config", _events(endpoint="tcp://*:8002")],
+         ["engine 2's --port", "engine 0's --kv-events-config's endpoint", "port 8002"]),
+    ],
+)  # fmt: skip
+def test_a_fleet_whose_engines_would_share_a_port_is_refused(
+    argv: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(parse(*argv)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert all(n in err for n in needles), err
+
+
+def test_a_fleets_ports_count_apart_are_accepted() -> None:
+    ev = _events(endpoint="tcp://*:5557", replay_endpoint="tcp://*:5621")
+    config = config_from_args(parse("--port", "8000", "--count", "64", "--kv-events-config", ev))
+    assert fleet_config(config, 63).kv_events.endpoint == "tcp://*:5620"
+
+
 async def test_a_fleet_given_zmqs_wildcard_port_gives_each_engine_its_own_free_port() -> None:
     # As port 0 does; engine 1 got 'tcp://127.0.0.1:*-1' and --count 2 was refused (review1 D5).
     wild = _events(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
