@@ -632,9 +632,10 @@ class Dispatcher:
         )
 
     async def closed(self, leg: Leg) -> None:
-        """`leg`'s reader is done with it: forgotten, and cancelled on its worker unless it ended."""
+        """`leg`'s reader is done with it: forgotten, and cancelled on its worker unless it ended
+        (its final chunk came, read or not)."""
         self._legs.pop(leg.token, None)
-        if not leg.done:
+        if not (leg.done or leg.finished):
             await self._cancel(leg)
 
     async def _cancel(self, leg: Leg) -> None:

@@ -238,7 +238,8 @@ class Leg:
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if e is not None and not (self.done and isinstance(e, GeneratorExit)):  # a reader done with it
+        # a reader done with it, or gone once the engine had ended it, fails no leg
+        if e is not None and not ((self.done or self.finished) and isinstance(e, GeneratorExit)):
             RequestTracer.failed(self.span, str(e) or type(e).__name__)
         self.span.end()
         self._forget_queued()  # no reader is left for them

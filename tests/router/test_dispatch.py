@@ -808,3 +808,26 @@ async def test_a_leg_aborted_before_any_output_frees_its_booking_unserved(
     chunks = await collect(d, job("w1"))
     assert chunks[-1].final and chunks[-1].finish_reason == end["finish_reason"]
     assert books.served == (["r1#1"] if served else []) and books.log.count(("free", "r1#1")) == 1
+
+
+async def test_a_reader_gone_after_its_streams_final_chunk_came_unread_sends_no_cancel(
+    nc: Client, ns: str, world: World
+) -> None:
+    """The engine ended the leg (its final chunk came) before its reader left without reading it
+    (a client gone, a failed write): nothing is left to cancel, and no cancel is kept for it."""
+    d, _, _ = world
+    ends: list[bool] = []
+    cancels: list[str] = []
+
+    async def on_cancel(msg: Msg) -> None:
+        cancels.append(decode_msg(msg.data, CancelRequest).request_id)
+
+    await nc.subscribe(subjects.cancel(ns, "w1"), cb=on_cancel)
+    await Worker(nc, ns, "w1").serve("decode", answer)
+    req = GenerateRequest(request_id="r1", model="m", token_ids=[1, 2, 3], stream=True)
+    async with await d._open("w1", "decode", req, time.monotonic() + 30, ends.append) as leg:
+        await until(lambda: ends == [True], what="the final chunk, unread")
+        assert leg.finished and not leg.done
+    await flush(nc)
+    await asyncio.sleep(0.05)
+    assert cancels == [] and not d._cancelled and ends == [True]
