@@ -92,3 +92,23 @@ async def test_a_decode_worker_with_no_prefill_worker_is_refused_as_for_no_worke
     async with http.post(router.url + "/debug/route", json={"model": MODEL, "prompt": list(range(200))}) as resp:
         explained = await resp.json()
         _refused(resp.status, explained, dict(resp.headers), CANNOT)  # it asserted a plan too
+
+
+async def test_a_decode_worker_that_leaves_is_forgotten_by_the_once_said_line(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The service's removal of a worker reaches Disaggregator.forget: the names of departed decode
+    workers whose bypasses went remote were kept for the router's life."""
+    await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="never")
+    await _registered(router, d)
+    caplog.set_level(logging.INFO, logger="router")
+    status, body, _ = await complete(http, router, list(range(200)))
+    assert status == 200, body
+    assert any(d.id in r.getMessage() and "cannot prefill locally" in r.getMessage() for r in caplog.records)
+    gone = d.id
+    assert gone in router.planner.disagg._no_local_said
+    await d.shim.stop()
+    await until(lambda: router.registry.get(gone) is None, what="the decode worker gone from the registry")
+    assert gone not in router.planner.disagg._no_local_said
