@@ -446,11 +446,26 @@ def _compose(*files: Path) -> dict[str, dict[str, Any]]:
     return services
 
 
+HOLD_SIGTERM = ["sh", "/opt/kvswitch/hold-sigterm.sh"]
+
+
+def _hold_s(service: dict[str, Any]) -> float:
+    """How long a compose service's deploy/compose/hold-sigterm.sh holds its SIGTERM (0: none)."""
+    entrypoint = service.get("entrypoint", [])
+    if entrypoint[:2] != HOLD_SIGTERM:
+        return 0.0
+    mount = f"./deploy/compose/hold-sigterm.sh:{HOLD_SIGTERM[1]}:ro"
+    assert mount in service["volumes"], "the entrypoint runs a script that is not mounted"
+    return float(entrypoint[2])
+
+
 def _drain_s(service: dict[str, Any]) -> float | None:
     """What a service needs between SIGTERM and its exit, None for what is not kvswitch's or vLLM's."""
     command = service.get("command", [])
     if str(service.get("image", "")).startswith(VLLM_IMAGE):
-        return float(_flags(command).get("--shutdown-timeout", "0")) + TEARDOWN_S
+        return _hold_s(service) + float(_flags(command).get("--shutdown-timeout", "0")) + TEARDOWN_S
+    if command[:1] == ["sim"]:
+        return _hold_s(service) + TEARDOWN_S
     if command[:1] == ["shim"]:
         return float(parse(command)[1].drain_grace_s or SHIM_DRAIN_S) + CLOSE_S
     if command[:1] == ["router"]:
@@ -471,6 +486,84 @@ def test_compose_gives_every_drain_its_time(files: list[Path]) -> None:
     assert checked >= 4
 
 
+def _engines(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {
+        n: s
+        for n, s in services.items()
+        if str(s.get("image", "")).startswith(VLLM_IMAGE) or s.get("command", [None])[0] == "sim"
+    }
+
+
+def _started(files: list[Path]) -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in _compose(*files).items() if not s.get("profiles")}
+
+
+@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_VLLM]], ids=["sim", "vllm"])
+def test_no_service_joins_the_network_namespace_of_one_that_can_restart(files: list[Path]) -> None:
+    """Docker gives a restarted container a new network namespace; a container that joined the old
+    one stays there with a loopback only. Until 2026-12-07 each shim joined its engine's, and the
+    engine had `restart: unless-stopped`: after an engine crash its shim waited for it forever."""
+    started = _started(files)
+    owners = set()
+    for name, service in started.items():
+        mode = str(service.get("network_mode", ""))
+        if not mode.startswith("service:"):
+            continue
+        owner = started[mode.removeprefix("service:")]
+        assert owner.get("restart", "no") == "no", f"{name} joins {mode}, which Docker restarts"
+        assert "network_mode" not in owner and owner["entrypoint"] == ["sleep", "infinity"], mode
+        owners.add(mode)
+    # every engine and its shim share a namespace of that kind, one per worker
+    shims = [s for s in started.values() if s.get("command", [None])[0] == "shim"]
+    assert sorted(str(e.get("network_mode")) for e in _engines(started).values()) == sorted(owners)
+    assert sorted(str(s.get("network_mode")) for s in shims) == sorted(owners) and len(owners) == 2
+
+
+@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_VLLM]], ids=["sim", "vllm"])
+def test_compose_engines_outlive_their_shims_drain(files: list[Path]) -> None:
+    """Compose stops an engine and its shim at once (neither joins the other's namespace, so
+    neither depends on the other): the engine holds its SIGTERM past the shim's drain, as a pod's
+    preStop does on Kubernetes (test_engines_outlive_their_shims_drain)."""
+    started = _started(files)
+    shims = [s for s in started.values() if s.get("command", [None])[0] == "shim"]
+    assert len(shims) == 2
+    for shim in shims:
+        (engine,) = [e for e in _engines(started).values() if e["network_mode"] == shim["network_mode"]]
+        drain = parse(shim["command"])[1].drain_grace_s or SHIM_DRAIN_S
+        assert _hold_s(engine) > drain, f"{shim['network_mode']}: the engine stops during its shim's drain"
+
+
+def test_hold_sigterm_passes_sigterm_on_after_its_hold_and_exits_as_its_command(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_sleep = bin_dir / "sleep"  # records the hold instead of waiting it out
+    fake_sleep.write_text(f'#!/bin/sh\necho "held $1" >> {log}\n')
+    fake_sleep.chmod(0o755)
+    child = (
+        "import signal, sys, time\n"
+        f"def term(*_): open({str(log)!r}, 'a').write('term\\n'); sys.exit(7)\n"
+        "signal.signal(signal.SIGTERM, term)\n"
+        f"open({str(log)!r}, 'a').write('ready\\n')\n"
+        "while True: time.sleep(1)\n"
+    )
+    script = ROOT / "deploy" / "compose" / "hold-sigterm.sh"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    held = subprocess.Popen(["sh", str(script), "35", sys.executable, "-c", child], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.exists() and "ready" in log.read_text()):
+            assert held.poll() is None and time.monotonic() < deadline, "the command never started"
+            time.sleep(0.05)
+        held.terminate()
+        assert held.wait(timeout=30) == 7
+    finally:
+        held.kill()
+    assert log.read_text().split("\n") == ["ready", "held 35", "term", ""]
+    crashed = subprocess.run(["sh", str(script), "35", "sh", "-c", "exit 3"], timeout=30)
+    assert crashed.returncode == 3  # no SIGTERM, no hold: restart policies see the engine's own exit
+
+
 # --- the compose vLLM variant and the HF token ------------------------------------------------------
 
 
@@ -483,7 +576,7 @@ def test_the_compose_vllm_variant_is_consistent() -> None:
     assert len(shims) == 2 and len(routers) == 2
     models, gpus = set(), []
     for shim in shims.values():
-        engine = started[shim["network_mode"].removeprefix("service:")]
+        (engine,) = [e for e in _engines(started).values() if e["network_mode"] == shim["network_mode"]]
         assert engine["image"].startswith(VLLM_IMAGE)
         flags, args = _flags(engine["command"]), parse(shim["command"])[1]
         assert kv_endpoints(flags["--kv-events-config"]) == (args.kv_events, args.kv_replay)
