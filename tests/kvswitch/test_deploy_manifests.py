@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from fnmatch import fnmatchcase
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from kvswitch.certs import write_tls
 from kvswitch.servers import free_port
 from protocol.config import EtcdSettings
 from router.service import RouterConfig
+from router.tokenization import TokenizerError, resolve_tokenizer_path
 from tests.deploy.commands import kv_endpoints, parse
 from worker_shim.config import ShimConfig
 
@@ -380,7 +382,6 @@ def test_vllm_routers_tokenize_with_the_served_models_tokenizer(vllm_objects: li
     (fill,) = [c for c in pod["initContainers"] if any(m["name"] == mount["name"] for m in c["volumeMounts"])]
     command = fill["command"]
     assert command[:2] == ["hf", "download"] and f"--local-dir={mount['mountPath']}" in command
-    assert {"tokenizer.json", "tokenizer_config.json"} <= set(command)
     models = {_flags(e["args"])["--model"] for e in _vllm_engines(vllm_objects)}
     models |= {parse(_containers(p)["shim"]["args"])[1].model for p in _engine_pods(vllm_objects).values()}
     assert models == {command[2]}
@@ -388,6 +389,68 @@ def test_vllm_routers_tokenize_with_the_served_models_tokenizer(vllm_objects: li
     assert any(ep.name == "hf" for ep in entry_points(group="console_scripts"))
     text = DOCS.read_text()
     assert "--tokenizer=/etc/kvswitch/tokenizer" in text and "router-tokenizer.yaml" in text
+
+
+# Every file the router's --tokenizer loading reads from the tokenizer's folder, with a name a repo
+# may give it: router/tokenization.py (tokenizer.json, tokenizer_config.json, chat_template.jinja,
+# additional_chat_templates/NAME.jinja, chat_template.json), router/special_tokens.py
+# (special_tokens_map.json, added_tokens.json), router/tokenizer_class.py (config.json).
+ROUTER_TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "additional_chat_templates/tool_use.jinja",
+]
+
+
+def _router_download_advice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The arguments after MODEL of the `hf download` the router advises for a model it lacks."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(TokenizerError) as refused:
+        resolve_tokenizer_path("no-such-org/no-such-model")
+    advice = re.search(r"`hf download MODEL ([^`]*)`", str(refused.value))
+    assert advice is not None, str(refused.value)
+    return shlex.split(advice[1])
+
+
+def _hf_includes(argv: list[str]) -> list[str]:
+    """The --include patterns of an `hf download` command line (both spellings)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--include":
+            out.append(argv[i + 1])
+        elif arg.startswith("--include="):
+            out.append(arg.split("=", 1)[1])
+    return out
+
+
+def test_the_router_tokenizer_download_fetches_every_file_the_router_reads(
+    vllm_objects: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until 2026-12-07 the init container fetched tokenizer.json, tokenizer_config.json and
+    chat_template.jinja by name: a model whose special tokens (special_tokens_map.json,
+    added_tokens.json), tokenizer class (config.json) or chat template (chat_template.json,
+    additional_chat_templates/) come from the others gave the router a tokenizer unlike vLLM's."""
+    pod, _ = _router(vllm_objects)
+    (fill,) = [c for c in pod["initContainers"] if c["command"][:2] == ["hf", "download"]]
+    command = fill["command"]
+    # no file names: with some, `hf download` ignores --include and fetches those alone
+    assert [a for a in command[3:] if not a.startswith("--")] == _hf_includes(command[3:])
+    includes = _hf_includes(command)
+    # what the router tells an operator to run, so the two cannot drift apart
+    assert sorted(includes) == sorted(_hf_includes(_router_download_advice(tmp_path, monkeypatch)))
+    # as `hf download` filters a repo's paths (huggingface_hub's filter_repo_objects: fnmatchcase,
+    # a `*` matching across `/`)
+    missed = [f for f in ROUTER_TOKENIZER_FILES if not any(fnmatchcase(f, p) for p in includes)]
+    assert missed == [], f"{missed}: the router reads them, the init container does not fetch them"
+    weights = ["model-00001-of-00004.safetensors", "original/consolidated.00.pth", "pytorch_model.bin"]
+    assert [w for w in weights if any(fnmatchcase(w, p) for p in includes)] == []
 
 
 # --- 7: draining --------------------------------------------------------------------------------
