@@ -341,6 +341,22 @@ def test_the_helm_charts_pods_pass_the_restricted_level_too() -> None:
     assert "kubectl apply -f deploy/k8s/base/namespace.yaml" in commands[:first_helm]
 
 
+def test_the_etcd_chart_is_pinned_and_its_image_still_pulls() -> None:
+    """Bitnami took its versioned images off docker.io/bitnami in 2025: until 2026-12-07 the docs
+    installed whichever chart was newest, with its default image, which no longer pulls."""
+    (install,) = [a for a in _docs_commands() if a[:2] == ["helm", "install"] and a[3].endswith("/etcd")]
+    version = install[install.index("--version") + 1]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version  # a release, not a range
+    etcd = yaml.safe_load((K8S / "helm" / "etcd-values.yaml").read_text())
+    image = etcd["image"]
+    assert image["registry"] == "docker.io" and image["repository"] == "bitnamilegacy/etcd"
+    assert re.fullmatch(r"\d+\.\d+\.\d+-debian-\d+-r\d+", image["tag"]), image["tag"]  # an immutable tag
+    # the chart refuses an image that is not its own without this
+    assert etcd["global"]["security"]["allowInsecureImages"] is True
+    values_file = (K8S / "helm" / "etcd-values.yaml").read_text()  # its own comment says the same install
+    assert f"helm install etcd oci://registry-1.docker.io/bitnamicharts/etcd --version {version}" in values_file
+
+
 def test_the_etcd_charts_probes_need_no_credentials() -> None:
     """bitnami/etcd's own readiness and startup probes run `etcdctl endpoint health` with no user
     when the chart's auth is off, as here; once the etcd-auth Job turns etcd's on, etcd refuses that
