@@ -212,8 +212,8 @@ def settings_text(winner: Candidate, profile: str, slo: Slo, max_model_len: int 
         f"{winner.agg} engines in the agg role (`--role agg`), each with its shim"
         if winner.agg
         else f"{winner.prefill} engines with `--role prefill` and {winner.decode} with `--role decode`, each with its "
-        f"shim (docker-compose.yml: the sim-prefill/shim-prefill pair x{winner.prefill}, "
-        f"sim-decode/shim-decode x{winner.decode})"
+        f"shim (docker-compose.yml: the net-prefill/sim-prefill/shim-prefill trio x{winner.prefill}, "
+        f"net-decode/sim-decode/shim-decode x{winner.decode}, each copy its own net-* service)"
     )
     # The sims and shims default to DEFAULT_PROFILE (the shims by registering none, which the routers
     # read as it): any other goes on both, as `kvswitch up` gives it, or the fleet is not the one ranked.

@@ -11,6 +11,8 @@ Every engine is a full SimServer (own engine id, cache, sockets, faults); idle o
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import re
 from typing import Any
 
@@ -18,6 +20,8 @@ import msgspec
 
 from engine_sim.config import SimConfig
 from engine_sim.server import SimServer
+from protocol.vllm_events import publisher_binds
+from protocol.zmq_endpoint import split_endpoint
 
 __all__ = ["SimFleet", "fleet_config", "shared_ports"]
 
@@ -43,9 +47,17 @@ def fleet_config(config: SimConfig, i: int) -> SimConfig:
     return config.replace(port=config.port + i if config.port else 0, kv_events=ev)
 
 
-def _tcp_port(endpoint: str | None) -> int:
-    m = re.search(r":(\d+)$", endpoint or "")
-    return int(m.group(1)) if m and (endpoint or "").startswith("tcp://") else 0
+def _local_port(endpoint: str | None, binds: bool) -> int:
+    """The TCP port `endpoint` takes on this machine: its own where it binds, its subscriber's where it
+    connects to loopback (that subscriber binds it here); 0 for none (port 0 or `*`, ipc, elsewhere)."""
+    split = split_endpoint(endpoint) if endpoint else None
+    if split is None or split.scheme != "tcp" or not split.port:
+        return 0
+    if binds or split.host == "localhost":
+        return split.port
+    with contextlib.suppress(ValueError):
+        return split.port if ipaddress.ip_address(split.host.partition("%")[0]).is_loopback else 0
+    return 0
 
 
 def shared_ports(config: SimConfig, count: int) -> str | None:
@@ -56,8 +68,8 @@ def shared_ports(config: SimConfig, count: int) -> str | None:
     ev = config.kv_events
     bases = {
         "--port": config.port,
-        "--kv-events-config's endpoint": _tcp_port(ev.endpoint) if ev.active else 0,
-        "--kv-events-config's replay_endpoint": _tcp_port(ev.replay_endpoint) if ev.active else 0,
+        "--kv-events-config's endpoint": _local_port(ev.endpoint, publisher_binds(ev.endpoint)) if ev.active else 0,
+        "--kv-events-config's replay_endpoint": _local_port(ev.replay_endpoint, True) if ev.active else 0,
     }
     taken: dict[int, tuple[str, int]] = {}
     for what, base in bases.items():

@@ -60,10 +60,27 @@ def test_a_fleet_whose_engines_would_share_a_port_is_refused(
     assert all(n in err for n in needles), err
 
 
-def test_a_fleets_ports_count_apart_are_accepted() -> None:
-    ev = _events(endpoint="tcp://*:5557", replay_endpoint="tcp://*:5621")
-    config = config_from_args(parse("--port", "8000", "--count", "64", "--kv-events-config", ev))
-    assert fleet_config(config, 63).kv_events.endpoint == "tcp://*:5620"
+@pytest.mark.parametrize(
+    ("argv", "events"),
+    [
+        (["--port", "8000", "--count", "64"], {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5621"}),
+        # a PUB that connects elsewhere binds nothing here (review of 6e8b7c5)
+        (["--port", "0", "--count", "2"], {"endpoint": "tcp://10.0.0.5:5557", "replay_endpoint": "tcp://*:5558"}),
+        (["--port", "8000", "--count", "4"], {"endpoint": "tcp://10.0.0.5:8002"}),
+        (["--port", "0", "--count", "4"], {"endpoint": "ipc:///tmp/ev", "replay_endpoint": "tcp://*:0"}),
+    ],
+)
+def test_a_fleets_ports_that_no_two_engines_share_are_accepted(argv: list[str], events: dict[str, str]) -> None:
+    config = config_from_args(parse(*argv, "--kv-events-config", _events(**events)))
+    assert config.kv_events.endpoint == events["endpoint"]
+
+
+def test_a_fleet_whose_pub_connects_to_a_loopback_subscriber_on_its_own_ports_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    events = _events(endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://*:5558")
+    assert run(parse("--port", "0", "--count", "2", "--kv-events-config", events)) == 2
+    assert "both port 5558" in capsys.readouterr().err
 
 
 async def test_a_fleet_given_zmqs_wildcard_port_gives_each_engine_its_own_free_port() -> None:

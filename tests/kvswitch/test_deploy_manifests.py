@@ -645,6 +645,41 @@ def test_hold_sigterm_passes_sigterm_on_after_its_hold_and_exits_as_its_command(
     assert crashed.returncode == 3  # no SIGTERM, no hold: restart policies see the engine's own exit
 
 
+def test_hold_sigterm_lets_the_engines_shutdown_run_whole_through_a_second_signal(tmp_path: Path) -> None:
+    """A second SIGTERM while the engine shuts down (vLLM's --shutdown-timeout, finishing the KV a
+    decode engine pulls) is not passed on and does not end the script, which as a container's PID 1
+    would take the engine with it (review of 3cb90a3)."""
+    log = tmp_path / "log"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sleep").write_text(f'#!/bin/sh\necho "held $1" >> {log}\n')
+    (bin_dir / "sleep").chmod(0o755)
+    child = (
+        "import signal, sys, time\n"
+        f"def note(what): open({str(log)!r}, 'a').write(what + '\\n')\n"
+        "def term(*_):\n"
+        "    signal.signal(signal.SIGTERM, lambda *_: note('second term'))\n"
+        "    note('term'); time.sleep(1.0); note('shut down'); sys.exit(7)\n"
+        "signal.signal(signal.SIGTERM, term)\n"
+        "note('ready')\n"
+        "while True: time.sleep(1)\n"
+    )
+    script = ROOT / "deploy" / "compose" / "hold-sigterm.sh"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    held = subprocess.Popen(["sh", str(script), "35", sys.executable, "-c", child], env=env)
+    try:
+        for awaited in ("ready", "term"):
+            deadline = time.monotonic() + 30
+            while not (log.exists() and awaited in log.read_text().split("\n")):
+                assert held.poll() is None and time.monotonic() < deadline, f"never {awaited}"
+                time.sleep(0.02)
+            held.terminate()  # the first starts the shutdown; the second comes during it
+        assert held.wait(timeout=30) == 7
+    finally:
+        held.kill()
+    assert log.read_text().split("\n") == ["ready", "held 35", "term", "shut down", ""]
+
+
 # --- the compose vLLM variant and the HF token ------------------------------------------------------
 
 
