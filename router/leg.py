@@ -195,6 +195,12 @@ class Leg:
         # a whole answer's leg is read as it comes
         self._buffers = owner.buffers if request.stream else None
         self._waiter: asyncio.Future[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        # One timer for its reader's waits, left armed from one wait to the next (router.leg's
+        # _wait): a timer made and cancelled per wait cost ~1 µs of every streamed chunk.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # the loop time it is armed for
+        self._wake_at = 0.0  # the loop time the waiting reader's wait ends
         self.next_seq = 0
         self.done = False
         self.finished = False  # its final chunk came: its worker runs it no more (nothing to cancel)
@@ -242,6 +248,9 @@ class Leg:
         if e is not None and not ((self.done or self.finished) and isinstance(e, GeneratorExit)):
             RequestTracer.failed(self.span, str(e) or type(e).__name__)
         self.span.end()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._forget_queued()  # no reader is left for them
         await self.owner.closed(self)
 
@@ -252,14 +261,34 @@ class Leg:
         self.queued = 0
 
     async def _wait(self, timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
+        """Until a chunk comes or `timeout_s` passes. The timer is re-armed only for a wait that
+        ends before it: one armed for an earlier wait's end arms itself again when it fires
+        (_on_timer), so a reader waiting for chunk after chunk arms one per silence window."""
+        loop = self._loop
         self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(max(timeout_s, 0.0), _wake, waiter)
+        self._wake_at = wake_at = loop.time() + max(timeout_s, 0.0)
+        if self._timer is None or self._timer_at > wake_at:
+            self._arm(wake_at)
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
+
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self._loop.call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # no reader waits: its next wait arms a timer of its own
+        if self._timer_at < self._wake_at:
+            self._arm(self._wake_at)  # armed for an earlier wait, which a chunk ended
+        else:
+            waiter.set_result(None)
 
     async def _wait_heard(self, timeout_s: float, silence_s: float, until: float) -> None:
         """`_wait`, then, while nothing came, on until this router has been awake for `silence_s`
@@ -422,8 +451,3 @@ class Leg:
         )
         with contextlib.suppress(Exception):  # NATS reconnecting: the next silence asks again
             await self.owner.send(self, msgspec.structs.replace(self.request, resume=self.next_seq))
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
