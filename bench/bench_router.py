@@ -35,12 +35,20 @@
    view holding them all (the hot path beside them). In-process, through ReplicaSync's own
    `_snapshot` and `_on_payload`, no NATS; medians of 9 (a part's, of every part of 7 reads).
 
+7. Streamed requests' router CPU: `--requests` completions of `--isl` token ids and `--osl` tokens,
+   `--concurrency` at a time (closed loop), through a router started from each of `--trees` in
+   turn (alternating, `--repeats` each) in front of the same two agg sims and shims; the router's
+   CPU (utime + stime from /proc) per answered request and per streamed chunk, a warm-up of one
+   request per lane first. `--py-spy` records each router's raw stacks (native frames) and
+   `--cprofile` runs it under cProfile, both into the tree's bench/out/ (figures not to quote).
+
     .venv/bin/python -m bench.bench_router decision
     .venv/bin/python -m bench.bench_router overhead --rates 50,200,500 --seconds 5
     .venv/bin/python -m bench.bench_router registrations --sizes 250,500,1000
     .venv/bin/python -m bench.bench_router prefill-room --prefill 16 --isl 128000
     .venv/bin/python -m bench.bench_router pending --blocks 256
     .venv/bin/python -m bench.bench_router snapshots --routers 2,4,8 --bookings 5000
+    .venv/bin/python -m bench.bench_router stream-cpu --trees /before,/after --speedup 1 --repeats 4
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ import time
 import timeit
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -336,6 +345,127 @@ def bench_overhead(rates: list[float], seconds: float, agg: int, speedup: float)
                     proc.kill()
 
 
+async def _stream(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int) -> int:
+    """One streamed completion read to its end: the chunks that carried text (0 on a failure)."""
+    body = {"model": "sim-llama", "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True}
+    chunks = 0
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                return 0
+            async for line in resp.content:
+                if line.startswith(b"data: {") and b'"text":""' not in line:
+                    chunks += 1
+    except aiohttp.ClientError:
+        return 0
+    return chunks
+
+
+async def _closed_loop(url: str, concurrency: int, requests: int, isl: int, osl: int, seed: int) -> tuple[int, int]:
+    """`requests` streamed completions, `concurrency` at a time; (requests answered, text chunks)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(300, 30000) for _ in range(isl)] for _ in range(requests)]
+    todo = iter(prompts)
+    done = [0, 0]
+
+    async def lane(session: aiohttp.ClientSession) -> None:
+        for prompt in todo:
+            chunks = await _stream(session, url, prompt, osl)
+            done[0] += chunks > 0
+            done[1] += chunks
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(lane(session) for _ in range(concurrency)))
+    return done[0], done[1]
+
+
+def _reset_prefix_caches(sims: list[str]) -> None:
+    import urllib.request
+
+    for sim in sims:
+        urllib.request.urlopen(urllib.request.Request(sim + "/reset_prefix_cache", method="POST"), timeout=5).close()
+
+
+def bench_stream_cpu(
+    trees: list[str], concurrency: int, requests: int, isl: int, osl: int, repeats: int, speedup: float,
+    py_spy: str | None, cprofile: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """The router's CPU per streamed request and per chunk, a router from each tree in turn."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from bench.cpu import read_cpu_ticks
+    from kvswitch.servers import EtcdServer, NatsServer, free_port
+
+    hz = os.sysconf("SC_CLK_TCK")
+    ns = "b" + uuid.uuid4().hex[:8]
+    out: dict[str, Any] = {"concurrency": concurrency, "requests": requests, "isl": isl, "osl": osl, "runs": []}
+    with NatsServer() as nats_srv, EtcdServer() as etcd_srv:
+        conn = [nats_srv.url, etcd_srv.url, ns]
+        argv = [sys.executable, "-m", "bench.bench_router", "workers", *conn, "--agg", "2", "--speedup", str(speedup)]
+        workers = subprocess.Popen(argv, stdout=subprocess.PIPE)
+        try:
+            assert workers.stdout is not None
+            sims = json.loads(workers.stdout.readline())
+            phases = 0
+            for repeat in range(repeats):
+                # alternate the order, so neither tree always runs first on a warming box
+                for tree in trees if repeat % 2 == 0 else trees[::-1]:
+                    # every phase cold, with prompts of its own: a phase that found the one
+                    # before it's prompts cached skipped their prefills
+                    _reset_prefix_caches(sims)
+                    phases += 1
+                    port = free_port()
+                    name = f"{Path(tree).name}-r{repeat}"
+                    stats = Path(tree) / f"bench/out/stream-cpu-{name}.pstats"
+                    stats.parent.mkdir(parents=True, exist_ok=True)
+                    profiled = ["-m", "cProfile", "-o", str(stats)] if cprofile else []
+                    router = subprocess.Popen(
+                        [sys.executable, *profiled, "-m", "kvswitch", "router", "--http-host", "127.0.0.1",
+                         "--http-port", str(port), "--nats-servers", nats_srv.url, "--etcd-endpoints", etcd_srv.url,
+                         "--namespace", ns, "--disagg", "never"],
+                        cwd=tree, env={**os.environ, "PYTHONPATH": tree, "KVSWITCH_LOG_LEVEL": "warning"},
+                    )  # fmt: skip
+                    spy = None
+                    try:
+                        url = f"http://127.0.0.1:{port}"
+                        _wait_workers(url, 2)
+                        uvloop.run(_closed_loop(url, concurrency, concurrency, isl, osl, -phases))  # warm-up
+                        if py_spy is not None:
+                            spy = subprocess.Popen(
+                                [py_spy, "record", "-p", str(router.pid), "-r", "250", "-f", "raw", "--native", "-o",
+                                 str(stats.with_suffix(".txt"))],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            )  # fmt: skip
+                            time.sleep(1.0)
+                        ticks, start = read_cpu_ticks(router.pid), time.perf_counter()
+                        answered, chunks = uvloop.run(_closed_loop(url, concurrency, requests, isl, osl, phases))
+                        cpu_s = (read_cpu_ticks(router.pid) - ticks) / hz
+                        row = {
+                            "tree": tree, "repeat": repeat, "answered": answered, "chunks": chunks,
+                            "wall_s": round(time.perf_counter() - start, 2), "router_cpu_s": round(cpu_s, 3),
+                            "us_per_request": round(cpu_s / max(answered, 1) * 1e6),
+                            "us_per_chunk": round(cpu_s / max(chunks, 1) * 1e6, 1),
+                        }  # fmt: skip
+                        out["runs"].append(row)
+                        print(json.dumps(row), flush=True)
+                    finally:
+                        if spy is not None:
+                            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                            spy.wait(30)
+                        router.terminate()
+                        router.wait(20)
+        finally:
+            workers.terminate()
+            workers.wait(20)
+    for tree in trees:
+        per = [r["us_per_request"] for r in out["runs"] if r["tree"] == tree]
+        out[tree] = {"us_per_request_median": statistics.median(per)}
+    return out
+
+
 def bench_registrations(sizes: list[int], repeats: int) -> dict[str, Any]:
     disc = Discovery(EtcdSettings(), "bench")  # never connected: the events are fed to the registry here
 
@@ -502,6 +632,16 @@ def main() -> None:
     o.add_argument("--seconds", type=float, default=5.0)
     o.add_argument("--agg", type=int, default=2)
     o.add_argument("--speedup", type=float, default=1000.0)
+    sc = sub.add_parser("stream-cpu", help="the router's CPU per streamed request, routers from each tree in turn")
+    sc.add_argument("--trees", default=".", help="comma-separated checkouts to run the router from")
+    sc.add_argument("--concurrency", type=int, default=64)
+    sc.add_argument("--requests", type=int, default=1024)
+    sc.add_argument("--isl", type=int, default=1024)
+    sc.add_argument("--osl", type=int, default=64)
+    sc.add_argument("--repeats", type=int, default=2)
+    sc.add_argument("--speedup", type=float, default=1.0)
+    sc.add_argument("--py-spy", default=None, help="py-spy executable: raw stacks of each router in bench/out/")
+    sc.add_argument("--cprofile", action="store_true", help="run each router under cProfile: stats in bench/out/")
     r = sub.add_parser("registrations")
     r.add_argument("--sizes", default="250,500,1000", help="fleet sizes, the smallest first")
     r.add_argument("--repeats", type=int, default=3, help="runs per size; the least CPU counts")
@@ -534,6 +674,19 @@ def main() -> None:
         result = bench_pending(args.blocks)
     elif args.what == "snapshots":
         result = bench_snapshots([int(n) for n in args.routers.split(",")], args.bookings)
+    elif args.what == "stream-cpu":
+        trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
+        result = bench_stream_cpu(
+            trees,
+            args.concurrency,
+            args.requests,
+            args.isl,
+            args.osl,
+            args.repeats,
+            args.speedup,
+            args.py_spy,
+            args.cprofile,
+        )
     elif args.what == "registrations":
         result = bench_registrations([int(n) for n in args.sizes.split(",")], args.repeats)
     else:
