@@ -5,6 +5,7 @@ exposes `add_arguments(parser)` and `run(args) -> int`; it is imported only when
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from kvswitch.environment import check_environment
 from protocol.errors import VariableError
 from protocol.version import BUILD
+from runtime import stop_signals_held
 
 __all__ = ["main", "subcommand_parser"]
 
@@ -24,6 +26,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "secrets": ("kvswitch.deploy_secrets", "a deployment's NATS nkeys and permissions, TLS certificates, etcd users"),
     "plan": ("bench.plan", "split N GPUs between prefill and decode for a trace, on the virtual clock"),
 }
+_SERVICES = {"router", "shim", "sim"}
+"""Those whose `run` ends in runtime.run_service: a stop signal is held back while they load, and
+said by run_service as a stop during start (`kvswitch up` holds its own through its checks)."""
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -57,6 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args[0]
     if name not in SUBCOMMANDS:
         top.error(f"unknown command {name!r}; choose from {', '.join(SUBCOMMANDS)}")
+    with stop_signals_held() if name in _SERVICES else contextlib.nullcontext():
+        return _run(name, args)
+
+
+def _run(name: str, args: list[str]) -> int:
     try:
         check_environment()  # before any parser is built: some list KVSWITCH_PROFILE_DIR's tables
     except VariableError as exc:

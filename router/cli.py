@@ -455,8 +455,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         try:
             if not await start_or_stop(service.start(), stop):
-                log.info("stopped before the router could start")
-                return 1
+                log.info("stopped during start (starting)")  # its start's cleanup stopped what it started
+                return 0  # a stop asked for, as after the start
         except DiscoveryError as exc:
             log.error("%s (check --etcd-endpoints and the server)", exc)
             return 1

@@ -8,6 +8,7 @@ shim and the simulator need not import the `kvswitch` CLI package to run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -16,7 +17,7 @@ import signal
 import sys
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, NoReturn
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "guarded",
     "run_service",
     "start_or_stop",
+    "stop_signals_held",
     "tune_gc",
 ]
 
@@ -435,6 +437,32 @@ def _said(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT held back (blocked) while a service loads, until `run_service` hears them:
+    importing the router and reading its settings takes seconds (more on a busy machine), and a
+    SIGTERM then killed it with status 143 and an empty log. One that came meanwhile is said by
+    run_service as a stop during start, exit 0, before `main` starts anything. On the way out, one
+    still held (`run` returned before run_service, a settings error) is taken, not delivered."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        _taken()
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _taken() -> str:
+    """The names of the stop signals that came while held back, taken: not delivered once let through."""
+    came = sorted(signal.sigpending() & STOP_SIGNALS)
+    for sig in came:
+        signal.sigwait({sig})
+    return " and ".join(sig.name for sig in came)
+
+
 def run_service(
     main: Callable[[asyncio.Event], Awaitable[int | None]],
     *,
@@ -450,8 +478,10 @@ def run_service(
     by `main` itself (a router that broke stops as on SIGTERM): one path bounds every stop; a signal
     then is the first. `on_abort` runs just before such an exit, on the event loop's thread, for
     what `main`'s own cleanup (skipped then) must not leave behind: a supervisor's children and
-    temporary directories. With `service` named, traces are exported over OTLP when the OTEL_*
-    environment asks for it (runtime.telemetry), and flushed at the end. An invalid
+    temporary directories. A signal held back while the process loaded (`stop_signals_held`) ends
+    it before `main` runs: "SIGTERM: stopped during start (loading)", status 0. With `service`
+    named, traces are exported over OTLP when the OTEL_* environment asks for it
+    (runtime.telemetry), and flushed at the end. An invalid
     KVSWITCH_LOG_LEVEL or KVSWITCH_LOG_FORMAT, or an OTEL_* value it cannot export with, is one
     line on stderr and status 2.
     """
@@ -516,8 +546,12 @@ def _run(
             log.error("still draining after %.0fs: exiting now", drain_limit_s)
             exit_now()
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, on_signal, sig)
+        if came := _taken():
+            log.info("%s: stopped during start (loading)", came)
+            return 0
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # heard by on_signal from now on
         limit = asyncio.create_task(limit_drain(), name="drain-limit")
         try:
             return int(await main(stop) or 0)

@@ -155,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
         shims.append(shim)
         try:
             if not await start_or_stop(shim.start(), stop):
-                log.info("stopped before the shim could start")
-                return 1
+                log.info("stopped during start (starting)")  # its start's cleanup stopped what it started
+                return 0  # a stop asked for, as after the start
         except ConfigError as exc:
             print(f"kvswitch shim: {exc}", file=sys.stderr)
             return 2
