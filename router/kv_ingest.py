@@ -131,7 +131,7 @@ from router.lifecycle import PartStatus
 from router.newer_kinds import NewerKinds, shown
 from router.sender_budget import KvBudget, SenderBudget
 from router.sender_subscriptions import QUARANTINE_S, SenderSubscriptions
-from runtime import background, cancel_and_wait, guarded
+from runtime import StopSteps, background, cancel_and_wait, guarded
 from runtime.turns import Turns
 
 __all__ = ["KvIngest"]
@@ -385,10 +385,15 @@ class KvIngest:
         if self.status is PartStatus.STOPPED:
             return
         self.status = PartStatus.STOPPED
+        steps = StopSteps()  # each run though one before it was cut: the subscriptions and repairs were left running
         if self._barrier is not None:
-            await cancel_and_wait(self._barrier)
-        await self.subscriptions.stop()  # what it cannot unsubscribe (a draining connection) goes with it
-        await self.repairs.stop()
+            with steps:
+                await cancel_and_wait(self._barrier)
+        with steps:
+            await self.subscriptions.stop()  # what it cannot unsubscribe (a draining connection) goes with it
+        with steps:
+            await self.repairs.stop()
+        steps.end()
 
     # --- the worker set (driven by the registry) -------------------------------------------------
 

@@ -56,7 +56,7 @@ from nats.errors import Error as NatsError
 from nats.errors import FlushTimeoutError
 
 from discovery.watch import keep_following
-from runtime import background, cancel_and_wait
+from runtime import StopSteps, background, cancel_and_wait
 from runtime.nats_flush import flush
 from runtime.nats_unsubscribe import unsubscribe
 
@@ -176,14 +176,19 @@ class SenderSubscriptions:
             self._changed.set()
 
     async def stop(self) -> None:
+        # Each step though the one before was cut: a stop cancelled again while it waits on the task
+        # (RouterService.stop, in a cancelled start's cleanup) left every subscription held.
+        steps = StopSteps()
         if self._task is not None:
-            await cancel_and_wait(self._task)
+            with steps:
+                await cancel_and_wait(self._task)
         for sub in [*self._each.values(), *([self._all] if self._all is not None else [])]:
-            with contextlib.suppress(Exception):
+            with steps, contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._all, self._each = None, {}
         self._counted = {}
         self._progress.set()
+        steps.end()
 
     async def caught_up(self, timeout: float, on_late: Callable[[], None] | None = None) -> bool:
         """Whether every message nats-server sent these subscriptions before this call has gone

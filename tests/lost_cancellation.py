@@ -33,3 +33,25 @@ async def ends_within(stop: Coroutine[Any, Any, object], seconds: float) -> bool
         return False
     task.result()
     return True
+
+
+async def runs_on(lost: list[str], what: str) -> None:
+    """A task's loop whose call loses its first cancellation (`never_answers`): it ends at the second."""
+    while True:
+        await never_answers(lost, what)
+
+
+async def cut_while_it_waits(stop: Coroutine[Any, Any, object], lost: list[str], what: str) -> asyncio.Task[object]:
+    """`stop` run as a task and cancelled once its wait (cancel_and_wait) has a task `runs_on` in it
+    that lost its first cancellation (`what` in `lost`): as the stop that waits on a cancelled
+    task's cleanup cancels that cleanup again. The stop's task, ended."""
+    task: asyncio.Task[object] = asyncio.create_task(stop, name="cut-stop")
+    for _ in range(1000):
+        if what in lost:
+            break
+        await asyncio.sleep(0.001)
+    assert what in lost, f"{what} was never cancelled"
+    task.cancel()
+    await asyncio.wait({task}, timeout=10)
+    assert task.done(), "the stop still waits"
+    return task

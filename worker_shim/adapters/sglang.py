@@ -71,7 +71,7 @@ import msgspec
 
 from protocol import ConfigError, Usage
 from protocol.messages import ENDPOINT_CHAT
-from runtime import cancel_and_wait
+from runtime import StopSteps, cancel_and_wait
 from worker_shim.adapters.base import (
     EngineError,
     EngineLimits,
@@ -488,8 +488,12 @@ class SglangAdapter(ZmqEventsAdapter):
         """Prefill requests still running are aborted first, each sending its `/abort_request` on the
         open session, and awaited: until 2026-12-07 the session closed under them, and each was cut
         unaborted with "Task exception was never retrieved" (RuntimeError: adapter not open)."""
-        await cancel_and_wait(*self._background)
-        await super().close()
+        steps = StopSteps()  # the session closed though the wait was cut (a cancelled close), not left open
+        with steps:
+            await cancel_and_wait(*self._background)
+        with steps:
+            await super().close()
+        steps.end()
 
     @property
     def bootstrap_host(self) -> str:

@@ -56,7 +56,7 @@ import aiohttp
 import msgspec
 
 from protocol.messages import BAD_TRANSFER_HANDLE, ENDPOINT_CHAT, PREFILL_STOPPED, lax_int
-from runtime import cancel_and_wait
+from runtime import StopSteps, cancel_and_wait
 from worker_shim.adapters.base import (
     EngineCold,
     EngineError,
@@ -326,9 +326,13 @@ class TrtllmAdapter(HttpEngineAdapter):
 
     async def close(self) -> None:
         task, self._metrics = self._metrics, None
+        steps = StopSteps()  # the session closed though the wait was cut (a cancelled close), not left open
         if task is not None:
-            await cancel_and_wait(task)  # its failure too is nobody's now
-        await super().close()
+            with steps:
+                await cancel_and_wait(task)  # its failure too is nobody's now
+        with steps:
+            await super().close()
+        steps.end()
 
     async def _read_metrics(self, wait_s: float) -> bytes | None:
         """The body of the /metrics read in flight (started if none is), or None while the engine
