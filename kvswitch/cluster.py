@@ -316,10 +316,11 @@ class LocalCluster:
         asked = [(spec.http_port, spec.routers), (spec.nats_port, spec.nats_nodes), (spec.etcd_port, spec.etcd_members)]
         return {port for first, count in asked if first for port in range(first, first + count)}
 
-    def start(self) -> None:
+    def start(self, *, stop_if_failed: bool = True) -> None:
         """Start the servers, the sims, the shims, then the routers. A start that fails stops what it
-        started, but one abandoned (`abandon_start`) leaves that to its caller's `stop`, which says
-        each tier with what a second signal does and returns the children it killed."""
+        started, unless `stop_if_failed` is False; one abandoned (`abandon_start`) never does. Both
+        leave that to the caller's `stop`, which says each tier with what a second signal does and
+        returns the children it killed."""
         self._stopping = False
         try:
             # Every port drawn in one draw, so that `kvswitch up`'s range check (`drawn_ports`: one
@@ -347,7 +348,7 @@ class LocalCluster:
             for i in range(self.spec.routers):
                 self._start_router(i, base + i)
         except BaseException:
-            if not self._abandon.is_set():
+            if stop_if_failed and not self._abandon.is_set():
                 self.stop()
             raise
 

@@ -768,7 +768,7 @@ async def _start(cluster: LocalCluster, spec: ClusterSpec, stop: asyncio.Event) 
     once: False when it came first (the start is abandoned; the caller stops what did start)."""
 
     def start() -> None:
-        cluster.start()
+        cluster.start(stop_if_failed=False)  # up's own stop: it says what a second signal does
         if spec.routers:
             cluster.wait_ready(timeout=120)
 

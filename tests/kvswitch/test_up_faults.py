@@ -187,7 +187,7 @@ import kvswitch.demo, kvswitch.up
 class Cluster:
     router_urls = ["http://127.0.0.1:1"]
     def __init__(self, spec): pass
-    def start(self): pass
+    def start(self, stop_if_failed): pass
     def wait_ready(self, timeout): pass
     def abandon_start(self): pass
     def describe(self): return "a cluster"
@@ -493,3 +493,24 @@ def test_the_servers_and_the_workers_are_drawn_in_one_run_as_the_check_counts(
         assert pools == [base, base + 3] and sorted(servers) == list(range(base + 4, base + 8)), (pools, servers)
     finally:
         cluster.stop()
+
+
+def test_a_start_that_fails_is_stopped_saying_what_a_second_signal_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A part that fails to start (the router here, its sim and shim up): the start stopped what it
+    had started itself, each tier said without what a second SIGTERM or Ctrl-C does, where up's own
+    stop says it (review of 2026-12-07). Its stop is now up's."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def fails(self: LocalCluster, index: int, port: int) -> None:
+        raise ServerError(f"router-{index} failed to start")
+
+    monkeypatch.setattr(LocalCluster, "_start_router", fails)
+    assert kvswitch.up.run(_up_args(["--agg", "1", "--speedup", "20", "--http-port", "0"])) == 1
+    err = capsys.readouterr().err
+    tiers = [line for line in err.splitlines() if "kvswitch.cluster: stopping" in line]
+    assert any("stopping 1 shim " in line for line in tiers) and any("stopping 1 sim " in line for line in tiers), err
+    assert all(line.endswith(f"then killed{kvswitch.up._AGAIN})") for line in tiers), err
+    assert "kvswitch up: router-0 failed to start\n" in err and err.endswith("kvswitch up: stopped\n"), err
+    assert list(tmp_path.iterdir()) == []

@@ -682,7 +682,7 @@ class _FakeCluster:
 
     made: _FakeCluster
 
-    def start(self) -> None:
+    def start(self, *, stop_if_failed: bool = True) -> None:
         pass
 
     def describe(self) -> str:
