@@ -52,7 +52,9 @@ ticks (a bug, a value() that raises) is an ERROR with its traceback (the first, 
 anyway, `failed` is set with a `failure` naming it (an audit of 2026-12-06 found one raise ended it
 for good: a deleted key never put back, a lost lease never replaced, and `state` still "registered").
 etcd merely not answering changes nothing (`state` is "unknown"): the key keeps its lease, and once
-etcd answers again the value is put once more, so an `update()` made during the outage lands.
+etcd answers again the value is put once more, so an `update()` made during the outage lands. A put
+etcd fails (not answering, refusing a write) is tried again each round, said as one episode: the
+first at WARNING with what to do, then at most every SAID_EVERY_S with a count, and its end at INFO.
 
 `value(id)` is called for every put, so it always stores the owner's current state. An `update()`
 made while the key is being created (by `start()`, or anew after a loss) is put once it is.
@@ -68,6 +70,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
@@ -83,7 +86,7 @@ __all__ = ["Registration", "RegistrationState"]
 log = logging.getLogger(__name__)
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
-SAID_EVERY_S = 30.0  # a re-registration failing, without an owner's on_failing
+SAID_EVERY_S = 30.0  # a re-registration failing without an owner's on_failing; a re-put failing
 
 
 class RegistrationState(enum.Enum):
@@ -94,6 +97,49 @@ class RegistrationState(enum.Enum):
     REREGISTERING = "reregistering"  # the lease was lost; registering anew
     FAILED = "failed"  # a named key was taken by someone else while re-registering
     STOPPED = "stopped"
+
+
+class _PutFailures:
+    """The re-puts etcd failed since the last that worked (an episode): a WARNING as it starts, with
+    what to do (discovery.advice), the count at most every SAID_EVERY_S while it lasts, an INFO as
+    it ends. Until 2026-12-07 each failed try was a WARNING, one each keep-alive tick (TTL/3 s) for
+    as long as etcd refused the put, naming neither what to do nor an end."""
+
+    def __init__(self) -> None:
+        self.tries = 0  # failed tries of the episode under way; 0: none
+        self._why = ""
+        self._since = 0.0
+        self._throttle = Throttle(SAID_EVERY_S)
+
+    def failed(self, key: str, exc: DiscoveryError, retry_s: float) -> None:
+        now = time.monotonic()
+        if not self.tries:
+            self._since = now
+        self.tries += 1
+        hint = advice(exc)
+        self._why = f"{exc}: {hint}" if hint else str(exc)
+        if self._throttle(None) is None:
+            return
+        if self.tries == 1:
+            log.warning("re-putting %s failed (%s): retrying each keep-alive check (every %.1fs), said again at "
+                        "most every %.0fs while it fails and once it works",
+                        key, self._why, retry_s, SAID_EVERY_S)  # fmt: skip
+        else:
+            log.warning("re-putting %s still fails after %.0fs (%d tries; the last: %s)",
+                        key, now - self._since, self.tries, self._why)  # fmt: skip
+
+    def ended(self, key: str, until: str | None = None) -> None:
+        """The episode under way, if any, ends: a put worked (`until` None), or `until` says what ended it."""
+        if not self.tries:
+            return
+        lasted = time.monotonic() - self._since
+        if until is None:
+            log.info("re-put %s after %.1fs of etcd failing it (%d tries)", key, lasted, self.tries)
+        else:
+            log.info("re-putting %s failed for %.1fs (%d tries; the last: %s) until %s",
+                     key, lasted, self.tries, self._why, until)  # fmt: skip
+        self.tries, self._why = 0, ""
+        self._throttle.forget(None)
 
 
 class Registration:
@@ -140,6 +186,7 @@ class Registration:
         self._outages = 0  # the lease's outages the supervisor has seen end (a new lease's start at 0)
         self._tick_errors = TickErrors(log, "the registration's supervisor")
         self._failing = Throttle(SAID_EVERY_S)  # the tries to register anew that etcd failed
+        self._put_failures = _PutFailures()
 
     @property
     def state(self) -> RegistrationState:
@@ -190,6 +237,8 @@ class Registration:
             with steps:
                 # a crash of it was said as it came (and failed the registration): the lease goes anyway
                 await cancel_and_wait(task)
+        if self._put_failures.tries:  # only then: before start() there is no id to make a key of
+            self._put_failures.ended(self.key, "the registration stopped")
         lease, self.lease = self.lease, None
         self.revoked = lease is None or await self._discovery.release(lease)
         self._phase = RegistrationState.STOPPED
@@ -271,7 +320,7 @@ class Registration:
         lost = asyncio.create_task(lease.lost.wait())
         woken = asyncio.create_task(self._wake.wait())
         try:
-            await asyncio.wait({lost, woken}, timeout=max(lease.ttl / 3.0, 0.2), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({lost, woken}, timeout=self._tick_s(lease), return_when=asyncio.FIRST_COMPLETED)
         finally:
             lost.cancel()
             woken.cancel()
@@ -289,6 +338,11 @@ class Registration:
         elif lease.state is LeaseState.ALIVE:
             await self._check_key(lease)
         return not self.failed.is_set()
+
+    @staticmethod
+    def _tick_s(lease: Lease) -> float:
+        """The longest wait between two rounds (a keep-alive check, a failed put tried again)."""
+        return max(lease.ttl / 3.0, 0.2)
 
     async def _put(self) -> None:
         """Put the value anew, only while our lease holds the key (Discovery.rewrite): a plain put
@@ -310,7 +364,10 @@ class Registration:
         except KeyTaken as exc:
             self._taken(exc, f"{self.key} is no longer held by its owner's lease {lease.hex_id}")
         except DiscoveryError as exc:
-            log.warning("re-putting %s failed (%s); retrying", self.key, exc)
+            self._put_failures.failed(self.key, exc, self._tick_s(lease))
+        else:
+            if put:
+                self._put_failures.ended(self.key)
         finally:
             self._dirty = self._dirty or not put
 
@@ -359,6 +416,7 @@ class Registration:
         old = self.id
         self._phase = RegistrationState.REREGISTERING
         self._failing.forget(None)  # a loss's first failing try is said at once
+        self._put_failures.ended(self._key(old), "the lease was lost: registering anew puts the current value")
         log.warning("lease %s of %s lost (%s): registering anew", lost.hex_id, self._key(old), lost.lost_reason)
         await self._discovery.release(lost)
         if self._on_lost is not None and not await self._tell(self._on_lost, old):

@@ -163,3 +163,73 @@ async def test_registering_anew_into_a_full_etcd_is_said_once_with_what_to_do(
     line = failed[0].getMessage()
     assert "lease grant failed: RESOURCE_EXHAUSTED: etcdserver: mvcc: database space exceeded" in line, line
     assert NO_SPACE in line and "--etcd-endpoints" not in line and "\n" not in line, line
+
+
+@pytest.mark.parametrize("said_every_s", [30.0, 0.0])
+async def test_re_putting_into_a_full_etcd_is_an_episode_said_once_with_what_to_do_and_its_end(
+    full_etcd: EtcdServer,
+    ns: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    said_every_s: float,
+) -> None:
+    """An update() etcd refuses is put again each keep-alive tick (TTL/3 s): each failed try was a
+    WARNING, for as long as etcd refused it. Now the first is, naming what to do, then a count at
+    most every SAID_EVERY_S (0 here: at each try), and an INFO once a put works again."""
+    monkeypatch.setattr(registration_module, "SAID_EVERY_S", said_every_s)
+    caplog.set_level(logging.INFO, logger="discovery.registration")
+    nospace_alarm(full_etcd, "DEACTIVATE")
+    async with Discovery(EtcdSettings(endpoints=[full_etcd.url]), ns) as d:
+        healthy = [True]
+        reg = Registration(
+            d,
+            key=lambda wid: subjects.worker_key(ns, wid),
+            value=lambda wid: WorkerInfo(
+                worker=wid, model="m", role="agg", engine="vllm", block_size=16, events_ok=healthy[0]
+            ),
+            ttl=3,
+        )
+        await reg.start()
+        failed_tries = 0
+        rewriting = d.rewrite
+
+        async def counted(key: str, value: bytes, lease: object) -> bool:
+            nonlocal failed_tries
+            try:
+                return await rewriting(key, value, lease)  # type: ignore[arg-type]
+            except DiscoveryError:
+                failed_tries += 1
+                raise
+
+        d.rewrite = counted  # type: ignore[method-assign]
+        nospace_alarm(full_etcd, "ACTIVATE")
+        healthy[0] = False
+        reg.update()
+        await until(lambda: failed_tries >= 3, 10, "3 failed tries")
+        assert reg.state is RegistrationState.REGISTERED  # the keep-alive works: only the puts are refused
+        nospace_alarm(full_etcd, "DEACTIVATE")
+        key = reg.key
+
+        async def stored() -> bytes:
+            assert d.client.kv is not None
+            return bytes((await d.client.kv.get(key, timeout=5)).kvs[0].value)
+
+        deadline = asyncio.get_running_loop().time() + 10
+        while b'"events_ok":false' not in await stored():
+            assert asyncio.get_running_loop().time() < deadline, "the update never landed"
+            await asyncio.sleep(0.05)
+        await reg.stop()
+    said = [r for r in caplog.records if "re-put" in r.getMessage()]
+    warnings = [r.getMessage() for r in said if r.levelno == logging.WARNING]
+    first = warnings[0]
+    assert f"re-putting {key} failed (put {key} failed: RESOURCE_EXHAUSTED" in first, first
+    assert NO_SPACE in first and "--etcd-endpoints" not in first and "\n" not in first, first
+    if said_every_s:
+        assert len(warnings) == 1, warnings
+    else:
+        assert len(warnings) == failed_tries, warnings
+        for n, line in enumerate(warnings[1:], 2):
+            assert f"re-putting {key} still fails after" in line and f"({n} tries; the last: put {key}" in line, line
+    ends = [r for r in said if r.levelno == logging.INFO]
+    assert len(ends) == 1 and f"re-put {key} after" in ends[0].getMessage(), [r.getMessage() for r in said]
+    assert f"({failed_tries} tries)" in ends[0].getMessage(), ends[0].getMessage()
