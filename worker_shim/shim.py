@@ -151,7 +151,11 @@ class _Stopped(Exception):
 
 class ShimStatus(enum.Enum):
     NEW = "new"
-    WAITING_ENGINE = "waiting_engine"
+    WAITING_ENGINE = "waiting_engine"  # the engine down, or its session starting (events, tokenizer)
+    # The engine up and its events live: the key being created (a held --worker-name waited out),
+    # or a try etcd failed (/health's etcd_why says why). Until 2026-12-07 both read waiting_engine.
+    REGISTERING = "registering"
+    WAITING_ETCD = "waiting_etcd"
     REGISTERED = "registered"
     DRAINING = "draining"
     STOPPED = "stopped"
@@ -1208,6 +1212,7 @@ class WorkerShim:
                 before_create=self._before_announce,
                 claims=self._engine_claim,
             )
+            self.status = ShimStatus.REGISTERING
             while (worker := await self._register()) is None:
                 if not await self._register_again():
                     return
@@ -1236,6 +1241,7 @@ class WorkerShim:
             if not self._held_may_free(exc):
                 raise self._taken(exc) from exc
         except DiscoveryError as exc:
+            self.status = ShimStatus.WAITING_ETCD  # until it registers, or the session ends
             self.register_failures.failed(exc, self.config.health_interval_s)
         return None
 
@@ -1744,7 +1750,7 @@ class WorkerShim:
     async def _end_session(self, lost: str | None = None) -> None:
         """Deregister and close what the session opened; `lost`: why the engine was taken out of
         service, and then its legs in flight end too, once no new one can arrive."""
-        if self.status is ShimStatus.REGISTERED:
+        if self.status in (ShimStatus.REGISTERING, ShimStatus.WAITING_ETCD, ShimStatus.REGISTERED):
             self.status = ShimStatus.DRAINING if self._stopping.is_set() else ShimStatus.WAITING_ENGINE
         self.registered.clear()
         if self._stopping.is_set() and self.requests is not None:

@@ -287,7 +287,7 @@ async def test_registering_failing_ends_with_its_session(
             status, body = await health(shim.http.url)
             up = True
             await wait_for(shim.registered.is_set, what="registered by the next session")
-    assert status == 503 and body["etcd_why"] == "", body
+    assert status == 503 and body["etcd_why"] == "" and body["status"] == "waiting_engine", body
     [ended] = _said(caplog, "until the session ended")
     assert ended.getMessage().startswith("registering with etcd failed for ") and ended.levelno == logging.INFO
     assert not _said(caplog, "registered after"), "the next session registered at its first try"
@@ -308,3 +308,24 @@ async def test_a_shim_stopped_while_registering_fails_says_it_stopped_not_that_t
     [ended] = _said(caplog, "until the shim stopped")
     assert ended.getMessage().startswith("registering with etcd failed for ") and ended.levelno == logging.INFO
     assert not _said(caplog, "the next one tries anew")
+
+
+async def test_a_healthy_engine_whose_shim_etcd_refuses_is_said_waiting_etcd_not_waiting_engine(
+    ns: str, nats_url: str
+) -> None:
+    """etcd refusing the registration (its quota full) of a shim whose engine is up and answering:
+    /health said `waiting_engine`, and an operator reading it blamed the engine (review of 2026-12-07)."""
+    with EtcdServer() as etcd:  # its own: the alarm refuses every client's writes
+        async with SimServer(sim_config()) as sim:
+            nospace_alarm(etcd, "ACTIVATE")
+            async with shim_for(sim, ns, nats_url, etcd.url) as shim:
+                await wait_for(lambda: shim.register_failures.tries >= 3, 15, "3 tries")
+                status, body = await health(shim.http.url)
+                assert await shim.adapter.health() is EngineHealth.UP
+                nospace_alarm(etcd, "DEACTIVATE")
+                await wait_for(shim.registered.is_set, 15, "registered once etcd takes writes")
+                serving = await health(shim.http.url)
+    assert status == 503 and body["status"] == "waiting_etcd" and body["registration"] == "new", body
+    why = str(body["etcd_why"])
+    assert why.startswith("registering with etcd fails for") and why.endswith(NO_SPACE), body
+    assert serving[0] == 200 and serving[1]["status"] == "serving" and serving[1]["etcd_why"] == "", serving
