@@ -688,7 +688,7 @@ class PublishesWhileReplayIsAsked(BufferedEngine):
             ident, _, seq_frame = await self.router.recv_multipart()
             start = int.from_bytes(seq_frame, "big")
             self.replay_requests.append(start)
-            if start and self.publish_on_probe:
+            if self.publish_on_probe and self._publishes_at(start):
                 self.publish_on_probe = False
                 await self._before_live_store()
                 await self.store(1)  # live, before the replay answer
@@ -697,6 +697,11 @@ class PublishesWhileReplayIsAsked(BufferedEngine):
                 if decode_pub_frames(f)[1] >= start:
                     await self.router.send_multipart([ident, b"", *f])
             await self.router.send_multipart([ident, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+
+    def _publishes_at(self, start: int) -> bool:
+        """Whether a replay from `start` is the one asked while a batch goes out: a probe's or a
+        gap's (the start's replay, from 0, is long done)."""
+        return start > 0
 
     async def _before_live_store(self) -> None:
         """Nothing here: the batch goes out as soon as the replay is asked for."""
@@ -753,6 +758,42 @@ async def test_after_a_gap_the_batches_that_came_live_are_live_and_only_the_miss
             stored = [b.live for b in batches if b.events]
             assert stored == [False, False, True, False, True, True], "only seq 0, 1 (start) and 3 (the gap) replayed"
             assert (source.stats.gaps, source.stats.duplicates, source.stats.replay_failures) == (1, 1, 0)
+
+
+class PublishesWhileRebuildReplayIsAsked(PublishesWhileReplayIsAsked):
+    """Publishes a batch while the shim's rebuild replay, from 0, is asked for."""
+
+    def _publishes_at(self, start: int) -> bool:
+        return start == 0
+
+
+@pytest.mark.parametrize("pub_binds", [True, False], ids=["engine-binds", "engine-connects"])
+async def test_after_a_rebuild_the_batches_that_came_live_meanwhile_are_live(
+    pub_binds: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rebuild's replay from 0 runs to the newest seq, so it holds what the live socket queued
+    while it was asked for. Until 2026-12-07 `_deliver_rebuild` delivered all of it as replayed (the
+    live copies dropped as duplicates), as _fill_gap and _on_reconnect did before that day's fixes:
+    the shim's live-batch count (kvswitch_shim_kv_batches_received_total{live="true"}) fell short
+    after every rebuild, by all that came live meanwhile."""
+    monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)  # the rebuild's replay is the only one asked after the start's
+    monkeypatch.setattr(zmq_events, "QUIET_PROBE_S", 60.0)
+    batches: list[EngineBatch] = []
+    with contextlib.closing(PublishesWhileRebuildReplayIsAsked(pub_binds)) as engine:
+        await engine.store(2, live=False)  # seq 0..1: the start's replay delivers them
+        async with running(engine, collector(batches)) as source:
+            await asyncio.sleep(0.2)  # ZMQ subscriptions propagate after the connection event
+            await engine.store(1)  # seq 2 live
+            await wait_for(lambda: source._last == 2, 5, "seq 2 delivered")
+            engine.publish_on_probe = True  # seq 3 goes out live while the rebuild's replay is asked for
+            source.request_rebuild()
+            await wait_for(lambda: source.stats.messages == 2, 5, "seq 2 and 3 read live (3 a duplicate)")
+            assert engine.replay_requests == [0, 0]
+            stored = [b.live for b in batches if b.events]
+            # the start's 0, 1; seq 2 live; the rebuild's 0, 1, 2 again (replayed) and 3 (came live)
+            assert stored == [False, False, True, False, False, False, True], stored
+            assert [b.reset for b in batches].count(True) == 2
+            assert (source.stats.gaps, source.stats.duplicates, source.stats.replay_failures) == (0, 1, 0)
 
 
 class PublishesWhileReconnectReplayIsAsked(PublishesWhileReplayIsAsked):

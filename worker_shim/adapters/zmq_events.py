@@ -628,13 +628,20 @@ class ZmqEventSource:
         complete = replayed is not None and (not replayed or replayed[0][0] == 0)
         # With replay, the next live seq must follow what it returned (-1: expect seq 0).
         self._last, self._last_digest = (None if replayed is None else -1), None
+        # The replay runs to the newest seq: what the live socket holds by its answer came live and
+        # is delivered as live, as in _fill_gap. Until 2026-12-07 all of it counted as replayed, so
+        # the live-batch count fell short after every rebuild.
+        queued, came = await self._queued()
         await sink(EngineBatch(reset=True, complete=complete, live=False))
         turn = Turns(SLICE_S)
         for s, p in replayed or []:
-            await self._deliver(s, p, sink, live=False)
+            await self._deliver(s, p, sink, live=s in came)
             await turn.take()
         if replayed:
             self._replayed_until = replayed[-1][0]
+        for frames in queued:  # those delivered just now are duplicates; later ones follow
+            await self._on_message(frames, sink)
+            await turn.take()
 
     def _wrong_topic(self, topic: bytes) -> None:
         self.stats.other_topic += 1
