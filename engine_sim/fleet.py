@@ -49,14 +49,16 @@ def fleet_config(config: SimConfig, i: int) -> SimConfig:
 
 def _local_port(endpoint: str | None, binds: bool) -> int:
     """The TCP port `endpoint` takes on this machine: its own where it binds, its subscriber's where it
-    connects to loopback (that subscriber binds it here); 0 for none (port 0 or `*`, ipc, elsewhere)."""
+    connects to loopback or 0.0.0.0 (that subscriber binds it here); 0 for none (port 0 or `*`, ipc,
+    elsewhere)."""
     split = split_endpoint(endpoint) if endpoint else None
     if split is None or split.scheme != "tcp" or not split.port:
         return 0
     if binds or split.host == "localhost":
         return split.port
     with contextlib.suppress(ValueError):
-        return split.port if ipaddress.ip_address(split.host.partition("%")[0]).is_loopback else 0
+        address = ipaddress.ip_address(split.host.partition("%")[0])
+        return split.port if address.is_loopback or address.is_unspecified else 0
     return 0
 
 

@@ -833,7 +833,7 @@ def run(args: argparse.Namespace) -> int:
         args.speedup = args.speedup if args.speedup != 1.0 else 10.0
         if not getattr(args, "extra", []):
             args.extra = ["--conditional-disagg"]
-    # SIGTERM and SIGINT are held back (blocked) until run_service handles them, in `main`: during
+    # SIGTERM and SIGINT are held back (blocked) until run_service handles them: during
     # the checks (a second or so, importing the router's and the shim's settings) a SIGTERM killed
     # up outright, leaving their directory in $TMPDIR (with --secure a CA and an nkey seed), and a
     # Ctrl-C was a traceback. One that came meanwhile stops up once they are done, their directory
@@ -850,7 +850,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvswitch up: {came} during its checks: stopped before anything started", file=sys.stderr,
                   flush=True)  # fmt: skip
             return 0
-        return _up(args, spec, lambda: signal.pthread_sigmask(signal.SIG_SETMASK, mask))
+        return _up(args, spec)
     finally:
         _taken(_STOP_SIGNALS)  # held back still (an error), not delivered: a SIGTERM's default kills
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -864,9 +864,9 @@ def _taken(signals: set[signal.Signals]) -> str:
     return " and ".join(sig.name for sig in came)
 
 
-def _up(args: argparse.Namespace, spec: ClusterSpec, unhold: Callable[[], object]) -> int:
-    """Run the cluster `spec` until a signal (or its demo's end); `unhold` lets the stop signals
-    through, once run_service handles them."""
+def _up(args: argparse.Namespace, spec: ClusterSpec) -> int:
+    """Run the cluster `spec` until a signal (or its demo's end); run_service lets the stop signals
+    through once it handles them (one that came before is its "stopped during start")."""
     from runtime import run_service
 
     cluster = LocalCluster(spec)
@@ -880,7 +880,6 @@ def _up(args: argparse.Namespace, spec: ClusterSpec, unhold: Callable[[], object
 
     async def main(stop: asyncio.Event) -> int:
         nonlocal tls_dir
-        unhold()
         tls_dir = tempfile.mkdtemp(prefix="kvswitch-tls-") if args.secure else None
         if tls_dir is not None:
             from kvswitch.certs import write_tls

@@ -113,7 +113,7 @@ from router.lifecycle import PartStatus
 from router.load_view import LoadView
 from router.newer_kinds import NewerKinds, shown
 from router.peer_settings import PeerSettings
-from runtime import TickErrors, background, cancel_and_wait, clipped, guarded
+from runtime import StopSteps, TickErrors, background, cancel_and_wait, clipped, guarded
 from runtime.turns import Turns
 
 __all__ = ["HEALED", "SYNC_SNAPSHOT_S", "SYNC_SNAPSHOT_S_RANGE", "ReplicaSync", "SyncStats"]
@@ -308,15 +308,19 @@ class ReplicaSync:
             return
         was_running = self.status is PartStatus.RUNNING
         self.status = PartStatus.STOPPED
-        await cancel_and_wait(*self._tasks)  # its watch's etcd calls can lose a cancellation
+        steps = StopSteps()  # each step runs though a stop cut the one before (RouterService.stop's)
+        with steps:
+            await cancel_and_wait(*self._tasks)  # its watch's etcd calls can lose a cancellation
         if was_running and not self._nc.is_closed:
-            await self._send()  # best effort: peers also forget us when our key goes
+            with steps:
+                await self._send()  # best effort: peers also forget us when our key goes
         sub, self._sub = self._sub, None
         if sub is not None and not self._nc.is_closed:
-            with contextlib.suppress(Exception):
+            with steps, contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._records.flush()  # a change held for its window's end, which no timer will say now
         self._say_healed()
+        steps.end()
 
     @property
     def tasks(self) -> list[asyncio.Task[None]]:

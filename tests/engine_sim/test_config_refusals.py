@@ -75,10 +75,12 @@ def test_a_fleets_ports_that_no_two_engines_share_are_accepted(argv: list[str], 
     assert config.kv_events.endpoint == events["endpoint"]
 
 
-def test_a_fleet_whose_pub_connects_to_a_loopback_subscriber_on_its_own_ports_is_refused(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "0.0.0.0"])
+def test_a_fleet_whose_pub_connects_to_a_local_subscriber_on_its_own_ports_is_refused(
+    host: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    events = _events(endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://*:5558")
+    # a subscriber of tcp://0.0.0.0:P binds P here (the shim does), as one of 127.0.0.1:P does
+    events = _events(endpoint=f"tcp://{host}:5557", replay_endpoint="tcp://*:5558")
     assert run(parse("--port", "0", "--count", "2", "--kv-events-config", events)) == 2
     assert "both port 5558" in capsys.readouterr().err
 

@@ -10,7 +10,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -27,6 +27,7 @@ from router.disagg import RoutePlan
 from router.dispatch import CANCEL_AGAIN_S, DEADLINE_PASSED, Dispatcher, Job
 from router.leg import MAX_RESUMES, LegError
 from router.policies import Outcome, Path
+from router.tracing import RequestTracer
 from runtime.loop_watch import LoopWatch
 from runtime.nats_flush import flush
 from tests.router.builders import cand, ctx
@@ -811,7 +812,7 @@ async def test_a_leg_aborted_before_any_output_frees_its_booking_unserved(
 
 
 async def test_a_reader_gone_after_its_streams_final_chunk_came_unread_sends_no_cancel(
-    nc: Client, ns: str, world: World
+    nc: Client, ns: str, world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The engine ended the leg (its final chunk came) before its reader left without reading it
     (a client gone, a failed write): nothing is left to cancel, and no cancel is kept for it."""
@@ -824,10 +825,21 @@ async def test_a_reader_gone_after_its_streams_final_chunk_came_unread_sends_no_
 
     await nc.subscribe(subjects.cancel(ns, "w1"), cb=on_cancel)
     await Worker(nc, ns, "w1").serve("decode", answer)
+    failed: list[str] = []
+    monkeypatch.setattr(RequestTracer, "failed", staticmethod(lambda span, why: failed.append(why)))
     req = GenerateRequest(request_id="r1", model="m", token_ids=[1, 2, 3], stream=True)
-    async with await d._open("w1", "decode", req, time.monotonic() + 30, ends.append) as leg:
-        await until(lambda: ends == [True], what="the final chunk, unread")
-        assert leg.finished and not leg.done
+    leg = await d._open("w1", "decode", req, time.monotonic() + 30, ends.append)
+
+    async def reader() -> AsyncGenerator[None]:  # a client's stream, its generator closed by its writer
+        async with leg:
+            yield None
+
+    stream = reader()
+    await anext(stream)
+    await until(lambda: ends == [True], what="the final chunk, unread")
+    assert leg.finished and not leg.done
+    await stream.aclose()  # GeneratorExit inside the leg
     await flush(nc)
     await asyncio.sleep(0.05)
     assert cancels == [] and not d._cancelled and ends == [True]
+    assert failed == [], "the leg's span was failed though its engine ended it"

@@ -1,7 +1,7 @@
 """An engine adapter's close cancelled again while it waits on its own tasks (the SGLang adapter's
 prefill requests, the TensorRT-LLM adapter's /metrics read): cancel_and_wait passes the cut on and
-raises it once they ended, and `super().close()` after it was skipped, the HTTP session (and an
-SGLang adapter's event sockets) left open. It now runs though the wait was cut (runtime.StopSteps),
+raises it once they ended, and `super().close()` after it was skipped, the HTTP session left
+open. It now runs though the wait was cut (runtime.StopSteps),
 and the cut is raised after it."""
 
 from __future__ import annotations
