@@ -69,8 +69,16 @@ class RegisterFailures:
         """The session ends, registered or not: an episode under way ends with it, said, and the
         next session's first failing try starts one anew; `stopping`: the shim stops, no session
         comes next (it said "the next one tries anew" at a SIGTERM; review of 2026-12-07)."""
+        self._end("the shim stopped" if stopping else "the session ended: the next one tries anew")
+
+    def answered(self) -> None:
+        """etcd answered a try: the key is held by another lease, waited out (WorkerShim._held_may_free).
+        The episode ends, said: /health said "registering with etcd fails for N s" after etcd
+        answered, for as long as the wait lasted (review of 2026-12-07)."""
+        self._end("etcd answered: the key is held by another lease, waited out")
+
+    def _end(self, end: str) -> None:
         if self.tries:
-            end = "the shim stopped" if stopping else "the session ended: the next one tries anew"
             log.info("registering with etcd failed for %.1fs (%d tries; the last: %s) until %s",
                      self._clock() - self._since, self.tries, self.why, end)  # fmt: skip
             self._forget()

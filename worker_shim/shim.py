@@ -1240,6 +1240,8 @@ class WorkerShim:
         except KeyTaken as exc:
             if not self._held_may_free(exc):
                 raise self._taken(exc) from exc
+            self.status = ShimStatus.REGISTERING  # etcd answered: the key is waited out
+            self.register_failures.answered()
         except DiscoveryError as exc:
             self.status = ShimStatus.WAITING_ETCD  # until it registers, or the session ends
             self.register_failures.failed(exc, self.config.health_interval_s)

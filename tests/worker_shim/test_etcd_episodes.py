@@ -15,12 +15,13 @@ import grpc
 import pytest
 from etcd3aio import EtcdConnectionError
 
-from discovery import Discovery, DiscoveryError, Registration, RegistrationState
+from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
 from discovery import registration as registration_module
 from discovery.advice import NO_SPACE, UNANSWERED
 from discovery.lease import said
 from engine_sim.server import SimServer
 from kvswitch.servers import EtcdServer
+from protocol import WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings
 from tests.etcd_alarm import nospace_alarm
 from tests.relay import Relay
@@ -28,6 +29,7 @@ from tests.worker_shim.cluster import shim_for, sim_config, wait_for
 from tests.worker_shim.test_http_server import health, scrape
 from worker_shim.adapters import EngineHealth
 from worker_shim.etcd_episodes import SAID_EVERY_S, CutOff, RegisterFailures
+from worker_shim.shim import WorkerShim
 
 UNRENEWED = ("kvswitch_shim_lease_unrenewed_seconds", ())
 
@@ -329,3 +331,37 @@ async def test_a_healthy_engine_whose_shim_etcd_refuses_is_said_waiting_etcd_not
     why = str(body["etcd_why"])
     assert why.startswith("registering with etcd fails for") and why.endswith(NO_SPACE), body
     assert serving[0] == 200 and serving[1]["status"] == "serving" and serving[1]["etcd_why"] == "", serving
+
+
+async def test_etcd_answering_with_the_worker_name_held_ends_the_episode_and_says_registering(
+    ns: str, nats_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd refusing writes, then answering that --worker-name is held by a live lease (waited
+    out): /health said `waiting_etcd` and "registering with etcd fails for N s" for as long as the
+    wait lasted, etcd answering all along (review of 2026-12-07)."""
+
+    async def not_proven(self: WorkerShim, exc: KeyTaken) -> bool:
+        return False  # as under NATS credentials: the holder's lease is waited out
+
+    monkeypatch.setattr(WorkerShim, "_took_over", not_proven)
+    caplog.set_level(logging.INFO, logger="worker_shim.etcd_episodes")
+    with EtcdServer() as etcd:  # its own: the alarm refuses every client's writes
+        async with (
+            SimServer(sim_config()) as sim,
+            Discovery(EtcdSettings(endpoints=[etcd.url]), ns) as d,
+        ):
+            holder = await d.grant(30)
+            info = WorkerInfo(worker="w", model="m", role="agg", engine="vllm", block_size=16)
+            await d.create(subjects.worker_key(ns, "w"), encode_json(info), holder)
+            nospace_alarm(etcd, "ACTIVATE")
+            async with shim_for(sim, ns, nats_url, etcd.url, worker_name="w", lease_ttl=30) as shim:
+                await wait_for(lambda: shim.register_failures.tries >= 2, 15, "2 tries")
+                failing = await health(shim.http.url)
+                nospace_alarm(etcd, "DEACTIVATE")
+                await wait_for(lambda: shim._held_since is not None, 15, "the held name found")
+                status, body = await health(shim.http.url)
+                assert not shim.registered.is_set()
+    assert failing[1]["status"] == "waiting_etcd", failing
+    assert status == 503 and body["status"] == "registering" and body["etcd_why"] == "", body
+    [ended] = _said(caplog, "until etcd answered")
+    assert ended.getMessage().startswith("registering with etcd failed for ") and ended.levelno == logging.INFO
