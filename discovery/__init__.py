@@ -15,7 +15,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 from discovery.advice import advice
 from discovery.lease import Lease, LeaseLost, LeaseState, renewal_interval
 from discovery.live_config import ConfigWatcher, put_config
-from discovery.registration import Registration, RegistrationState
+from discovery.registration import PutTrouble, Registration, RegistrationState
 from discovery.session import Discovery, DiscoveryError, KeyTaken
 from discovery.watch import Deleted, Put, Snapshot, WatchEvent
 
@@ -29,6 +29,7 @@ __all__ = [
     "LeaseLost",
     "LeaseState",
     "Put",
+    "PutTrouble",
     "Registration",
     "RegistrationState",
     "Snapshot",

@@ -54,7 +54,8 @@ for good: a deleted key never put back, a lost lease never replaced, and `state`
 etcd merely not answering changes nothing (`state` is "unknown"): the key keeps its lease, and once
 etcd answers again the value is put once more, so an `update()` made during the outage lands. A put
 etcd fails (not answering, refusing a write) is tried again each round, said as one episode: the
-first at WARNING with what to do, then at most every SAID_EVERY_S with a count, and its end at INFO.
+first at WARNING with what to do, then at most every SAID_EVERY_S with a count, and its end at INFO;
+`put_trouble` reads it meanwhile (an owner's health: a shim's /health).
 
 `value(id)` is called for every put, so it always stores the owner's current state. An `update()`
 made while the key is being created (by `start()`, or anew after a loss) is put once it is.
@@ -72,6 +73,7 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 import msgspec
 
@@ -81,7 +83,7 @@ from discovery.session import DEFAULT_TTL, Discovery, DiscoveryError, KeyTaken
 from protocol import encode_json
 from runtime import StopSteps, Throttle, TickErrors, background, cancel_and_wait
 
-__all__ = ["Registration", "RegistrationState"]
+__all__ = ["PutTrouble", "Registration", "RegistrationState"]
 
 log = logging.getLogger(__name__)
 RETRY_MIN_S = 0.2
@@ -97,6 +99,16 @@ class RegistrationState(enum.Enum):
     REREGISTERING = "reregistering"  # the lease was lost; registering anew
     FAILED = "failed"  # a named key was taken by someone else while re-registering
     STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class PutTrouble:
+    """A re-put of the key that etcd keeps failing (Registration.put_trouble): the key stays, its
+    value the last put that worked."""
+
+    tries: int  # failed tries since the last put that worked
+    failing_s: float  # since the first of them
+    why: str  # the last one's error, with what to do (discovery.advice)
 
 
 class _PutFailures:
@@ -140,6 +152,11 @@ class _PutFailures:
                      key, lasted, self.tries, self._why, until)  # fmt: skip
         self.tries, self._why = 0, ""
         self._throttle.forget(None)
+
+    def trouble(self) -> PutTrouble | None:
+        if not self.tries:
+            return None
+        return PutTrouble(self.tries, time.monotonic() - self._since, self._why)
 
 
 class Registration:
@@ -204,6 +221,12 @@ class Registration:
         None otherwise."""
         lease = self.lease
         return lease.unrenewed_s if self.state is RegistrationState.UNKNOWN and lease is not None else None
+
+    @property
+    def put_trouble(self) -> PutTrouble | None:
+        """The re-put etcd keeps failing (an update() or the put after an outage); None while the
+        last put worked. Until 2026-12-07 only the log said it: an owner's health read nothing."""
+        return self._put_failures.trouble()
 
     @property
     def key(self) -> str:

@@ -13,7 +13,8 @@ time. What to do is discovery.advice's: --etcd-endpoints only where etcd did not
 named for a full etcd too). `CutOff`: etcd has not renewed the lease for longer than its TTL, so
 where routers still reach etcd (the shim alone cut off from it) the key is gone and no new request
 comes; the shim serves on what it is sent, the legs in flight included. It said "serving" and
-nothing else (the router says as much of itself on /ready).
+nothing else (the router says as much of itself on /ready). `stale_key`: the registered key's
+re-put that etcd keeps failing (Registration.put_trouble), its value stale meanwhile.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from discovery import DiscoveryError, Registration, RegistrationState, advice
 from runtime import Throttle, clipped
 
-__all__ = ["SAID_EVERY_S", "CutOff", "RegisterFailures"]
+__all__ = ["SAID_EVERY_S", "CutOff", "RegisterFailures", "stale_key"]
 
 log = logging.getLogger(__name__)
 SAID_EVERY_S = 30.0
@@ -92,6 +93,19 @@ class RegisterFailures:
         if not self.tries:
             return ""
         return f"registering with etcd fails for {self._clock() - self._since:.0f} s ({self.tries} tries): {self.why}"
+
+
+def stale_key(reg: Registration | None) -> str:
+    """What /health says while etcd keeps failing the re-put of the registered key; "" otherwise.
+    The worker stays registered, its key holding the last value put (until 2026-12-07 only the
+    log said it: /health read serving, etcd alive and nothing wrong, for as long as it lasted)."""
+    trouble = reg.put_trouble if reg is not None else None
+    if trouble is None:
+        return ""
+    return clipped(
+        f"re-putting this worker's key fails for {trouble.failing_s:.0f} s ({trouble.tries} tries; routers read "
+        f"the value last put): {trouble.why}"
+    )
 
 
 class CutOff:

@@ -88,7 +88,7 @@ from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.endpoint_probe import EndpointProbe
 from worker_shim.engine_events import EngineBatch, EngineRestarted, EngineStored
-from worker_shim.etcd_episodes import CutOff, RegisterFailures
+from worker_shim.etcd_episodes import CutOff, RegisterFailures, stale_key
 from worker_shim.event_health import EventProblem
 from worker_shim.http_server import ShimHttpServer
 from worker_shim.kv_events_config import listed_mode
@@ -440,7 +440,7 @@ class WorkerShim:
             "prefix_credit_short": self.credit.short,
             "nats": self.nats_state,
             "etcd": lease.state.value if lease is not None else "none",
-            "etcd_why": CutOff.trouble(reg) or self.register_failures.trouble(),
+            "etcd_why": CutOff.trouble(reg) or stale_key(reg) or self.register_failures.trouble(),
             "lease_unrenewed_s": None if (unrenewed := self.lease_unrenewed_s) is None else round(unrenewed, 1),
             "engine_url": self.config.engine_url,
             "retired_workers": sorted({p.worker for p in self._retired}),

@@ -365,3 +365,26 @@ async def test_etcd_answering_with_the_worker_name_held_ends_the_episode_and_say
     assert status == 503 and body["status"] == "registering" and body["etcd_why"] == "", body
     [ended] = _said(caplog, "until etcd answered")
     assert ended.getMessage().startswith("registering with etcd failed for ") and ended.levelno == logging.INFO
+
+
+async def test_a_re_put_etcd_keeps_failing_is_said_on_health_while_the_shim_serves(ns: str, nats_url: str) -> None:
+    """A registered worker's update() that etcd refuses (its quota full) is retried each keep-alive
+    check, its key holding the value last put: only the log said it, /health read serving, etcd
+    alive and etcd_why "" (review of 2026-12-07)."""
+    with EtcdServer() as etcd:  # its own: the alarm refuses every client's writes
+        async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd.url) as shim:
+            await wait_for(shim.registered.is_set, what="registered")
+            reg = shim.registration
+            assert reg is not None
+            nospace_alarm(etcd, "ACTIVATE")
+            reg.update()  # as a state flip does
+            await wait_for(lambda: (t := reg.put_trouble) is not None and t.tries >= 2, 15, "2 failed re-puts")
+            status, body = await health(shim.http.url)
+            nospace_alarm(etcd, "DEACTIVATE")
+            await wait_for(lambda: reg.put_trouble is None, 15, "a re-put that works")
+            after = await health(shim.http.url)
+    assert status == 200 and body["status"] == "serving" and body["etcd"] == "alive", body
+    why = str(body["etcd_why"])
+    assert why.startswith("re-putting this worker's key fails for ") and "database space exceeded" in why, body
+    assert why.endswith(NO_SPACE) and "--etcd-endpoints" not in why, body
+    assert after[0] == 200 and after[1]["etcd_why"] == "", after
