@@ -554,6 +554,32 @@ async def test_another_sglang_epoch_is_a_restarted_publisher(seq: int) -> None:
     assert len(got) == 3 and not any(b.reset for b in got)
 
 
+class _QueuedSub:
+    """What `_queued` reads of the SUB socket: the messages it holds, then zmq.Again."""
+
+    def __init__(self, held: list[list[bytes]]) -> None:
+        self.held = held
+
+    async def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[bytes]:
+        if not self.held:
+            raise zmq.Again
+        return self.held.pop(0)
+
+
+async def test_sglangs_first_rebuild_delivers_what_came_live_under_its_epoch_as_live() -> None:
+    """The start's rebuild runs before any live message gave the shim the publisher's epoch: the
+    live messages queued meanwhile (their topics carrying it) were taken for another run's, so
+    the replay delivered them as replayed (review of 2026-12-07)."""
+    source = ZmqEventSource("sglang", "tcp://*:5557", "auto", "kv", None, "127.0.0.1")
+    payloads = [_payload(_stored(-1, [1] * 4)), _payload(_stored(-2, [2] * 4, -1)), _payload(_stored(-3, [3] * 4, -2))]
+    topic = b"kv" + EPOCH + b"3f2a"
+    source._sub = _QueuedSub([[topic, (2).to_bytes(8, "big"), payloads[2]]])  # type: ignore[assignment]
+    got: list[EngineBatch] = []
+    await source._deliver_rebuild(list(enumerate(payloads)), collector(got))
+    assert [b.live for b in got if b.events] == [False, False, True], got
+    assert (source._epoch, source.stats.duplicates, source.stats.restarts) == (b"3f2a", 1, 0)
+
+
 async def test_a_live_seq_that_goes_back_is_a_restarted_engine() -> None:
     source = ZmqEventSource("vllm", "tcp://*:5557", "auto", "kv-events", None, "127.0.0.1")
     got: list[EngineBatch] = []

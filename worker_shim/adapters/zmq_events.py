@@ -500,16 +500,27 @@ class ZmqEventSource:
                 out.append(await sub.recv_multipart(flags=zmq.NOBLOCK, copy=True))
             except zmq.Again:
                 break
-        return out, {seq for seq in map(self._live_seq, out) if seq is not None}
+        # No epoch known yet (SGLang's first rebuild): the first among these is the one _on_message
+        # takes from them; until 2026-12-07 none matched, and all of them counted as replayed.
+        epoch, came = self._epoch, set[int]()
+        for live in map(self._live_seq, out):
+            if live is None:
+                continue
+            their, seq = live
+            if epoch is None:
+                epoch = their
+            if their in (None, epoch):
+                came.add(seq)
+        return out, came
 
-    def _live_seq(self, frames: list[bytes]) -> int | None:
-        """The seq of a live message of this engine run's stream; None for any other."""
+    def _live_seq(self, frames: list[bytes]) -> tuple[bytes | None, int] | None:
+        """(publisher epoch, seq) of a live message of this engine's topic; None for any other."""
         try:
             topic, seq, _ = decode_pub_frames(frames)
         except ProtocolError:
             return None
         parts = self._topic_parts(topic)
-        return seq if parts is not None and parts[0] in (None, self._epoch) else None
+        return (parts[0], seq) if parts is not None else None
 
     def _malformed(self, exc: ProtocolError) -> None:
         self.stats.malformed += 1
