@@ -53,7 +53,6 @@ from engine_sim.logprobs import (
 )
 from engine_sim.openai_format import SSE_DONE, Output, sse
 from engine_sim.openai_request import (
-    VALIDATION_ERROR,
     ChatRequest,
     CompletionRequest,
     GenerateCall,
@@ -65,6 +64,7 @@ from engine_sim.request import SimRequest
 from engine_sim.runner import RequestStream, StreamClosed
 from engine_sim.sampler import Sampler
 from protocol.tokenizer import BuiltinTokenizer
+from protocol.vllm_errors import VALIDATION_ERROR
 
 if TYPE_CHECKING:
     from engine_sim.server import SimServer

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -31,10 +31,21 @@ from engine_sim.logprobs import MAX_LOGPROBS
 from engine_sim.lora import LoraRequest
 from protocol.messages import lax_bool, lax_int
 from protocol.tokenizer import VOCAB_SIZE, BuiltinTokenizer, apply_chat_template
+from protocol.vllm_errors import (
+    VALIDATION_ERROR,
+    error_input,
+    field_error,
+    json_invalid_error,
+    missing_error,
+    model_type_error,
+    struct_errors,
+    type_errors,
+    validation_message,
+    validation_param,
+)
 
 __all__ = [
     "CONTINUE_AND_GENERATE",
-    "VALIDATION_ERROR",
     "ChatRequest",
     "CompletionRequest",
     "DetokenizeRequest",
@@ -59,8 +70,6 @@ _LONG = 2**63
 _DEFAULT_MAX_TOKENS = 16  # CompletionRequest.max_tokens's default, which a null becomes too
 _MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
 _MAX_TOKEN_ID = 2**63 - 1  # DetokenizeRequest.tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]
-_MAX_REPORTED_ERRORS = 10  # vLLM's validation handler reports this many, then counts the rest
-_MAX_ERROR_INPUT_CHARS = 200
 _MAX_STOP_STRINGS = 4  # vLLM's VLLM_MAX_STOP_STRINGS default: the body's `stop` list may hold this many
 _MAX_PROMPTS = 1024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS default
 _MAX_CACHE_SALT_CHARS = 128
@@ -192,23 +201,9 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
-VALIDATION_ERROR = "Bad Request"
-"""The error `type` of vLLM's 400 for a body its pydantic model refuses (before its endpoint runs)."""
-
-
 def validation_error(details: list[dict[str, Any]] | list[str]) -> SimRequestError:
-    """vLLM's 400 for a body its pydantic model refuses, as its validation handler writes it
-    (vllm/entrypoints/serve/exception_handling/handlers/validation.py): the first ten errors, a
-    count of the rest, `param` the first one's location (none for an error that is only text)."""
-    count = len(details)
-    label = "error" if count == 1 else "errors"
-    message = f"{count} validation {label}:\n" + "".join(f"  {d}\n" for d in details[:_MAX_REPORTED_ERRORS])
-    if count > _MAX_REPORTED_ERRORS:
-        message += f"  ...and {count - _MAX_REPORTED_ERRORS} more {label}\n"
-    first = details[0]
-    return SimRequestError(
-        message.rstrip(), kind=VALIDATION_ERROR, param=first["loc"] if isinstance(first, dict) else None
-    )
+    """vLLM's 400 for a body its pydantic model refuses (protocol.vllm_errors)."""
+    return SimRequestError(validation_message(details), kind=VALIDATION_ERROR, param=validation_param(details))
 
 
 def check_json_media_type(content_type: str, raw: bytes) -> None:
@@ -227,22 +222,9 @@ def check_json_media_type(content_type: str, raw: bytes) -> None:
     raise validation_error([_UNSUPPORTED_MEDIA_TYPE])
 
 
-def _error_input(value: Any) -> str:
-    """A refused value as that handler shows it: containers by their size, anything else as text
-    cut at 200 characters."""
-    if isinstance(value, list | dict):
-        return f"<{type(value).__name__} of {len(value)} items>"
-    try:
-        text = str(value)
-    except ValueError:  # an int past sys.get_int_max_str_digits()
-        return f"<{type(value).__name__}>"
-    return text if len(text) <= _MAX_ERROR_INPUT_CHARS else text[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]"
-
-
 def malformed_json_error(exc: json.JSONDecodeError) -> SimRequestError:
     """vLLM (FastAPI + pydantic) reports the decode error with its character offset."""
-    return validation_error([{"type": "json_invalid", "loc": f"body.{exc.pos}", "msg": "JSON decode error",
-                              "input": "<dict of 0 items>", "ctx": {"error": exc.msg}}])  # fmt: skip
+    return validation_error([json_invalid_error(exc.pos, exc.msg)])
 
 
 def check_token_bounds(tokens: list[int]) -> None:
@@ -252,12 +234,12 @@ def check_token_bounds(tokens: list[int]) -> None:
     for i, t in enumerate(tokens):
         if t < 0:
             details.append({"type": "greater_than_equal", "loc": f"body.tokens.{i}",
-                            "msg": "Input should be greater than or equal to 0", "input": _error_input(t),
+                            "msg": "Input should be greater than or equal to 0", "input": error_input(t),
                             "ctx": {"ge": 0}})  # fmt: skip
         elif t > _MAX_TOKEN_ID:
             details.append({"type": "less_than_equal", "loc": f"body.tokens.{i}",
                             "msg": f"Input should be less than or equal to {_MAX_TOKEN_ID}",
-                            "input": _error_input(t), "ctx": {"le": _MAX_TOKEN_ID}})  # fmt: skip
+                            "input": error_input(t), "ctx": {"le": _MAX_TOKEN_ID}})  # fmt: skip
     if details:
         raise validation_error(details)
 
@@ -321,7 +303,6 @@ _VLLM_FIELD_ORDER: dict[type, tuple[str, ...]] = {
         "request_id return_tokens_as_token_ids return_token_ids cache_salt kv_transfer_params vllm_xargs".split()
     ),
 }
-_SKIPPED_TYPES = (msgspec.inspect.NoneType, msgspec.inspect.AnyType)
 
 
 def _field_errors(obj: dict[str, Any], kind: type) -> list[dict[str, Any]]:
@@ -330,106 +311,14 @@ def _field_errors(obj: dict[str, Any], kind: type) -> list[dict[str, Any]]:
     assert isinstance(info, msgspec.inspect.StructType)
     order = _VLLM_FIELD_ORDER.get(kind, ())
     fields = sorted(info.fields, key=lambda f: order.index(f.encode_name) if f.encode_name in order else len(order))
-    return _struct_errors("body", obj, fields)
-
-
-def _struct_errors(loc: str, obj: dict[str, Any], fields: Any) -> list[dict[str, Any]]:
+    # pydantic's own checks of the fields msgspec's types do not spell; the rest by their types
     details: list[dict[str, Any]] = []
     for f in fields:
-        check = _FIELD_CHECKS.get(f.encode_name) if loc == "body" else None
-        if check is not None and obj.get(f.encode_name) is not None:
+        if (check := _FIELD_CHECKS.get(f.encode_name)) is not None and obj.get(f.encode_name) is not None:
             details += check(obj[f.encode_name])
-        elif f.encode_name in obj:
-            details += _type_errors(f"{loc}.{f.encode_name}", obj[f.encode_name], f.type)
-        elif f.required:
-            details.append(_missing(f"{loc}.{f.encode_name}", obj))
+        else:
+            details += struct_errors("body", obj, [f])
     return details
-
-
-def _type_errors(loc: str, value: Any, t: msgspec.inspect.Type) -> list[dict[str, Any]]:
-    """pydantic's errors for `value` as a field of type `t` (lax mode): a union's members each
-    report theirs when all refuse it; None is refused only where the type has no None."""
-    members = t.types if isinstance(t, msgspec.inspect.UnionType) else (t,)
-    if value is None and any(isinstance(m, msgspec.inspect.NoneType) for m in members):
-        return []
-    details: list[dict[str, Any]] = []
-    for m in members:
-        if isinstance(m, _SKIPPED_TYPES):
-            continue
-        if not (errors := _member_errors(loc, value, m)):
-            return []
-        details += errors
-    return details
-
-
-def _error(kind: str, loc: str, msg: str, value: Any, ctx: dict[str, Any] | None = None) -> dict[str, Any]:
-    detail = {"type": kind, "loc": loc, "msg": msg, "input": _error_input(value)}
-    return detail if ctx is None else {**detail, "ctx": ctx}
-
-
-def _member_errors(loc: str, value: Any, t: msgspec.inspect.Type) -> list[dict[str, Any]]:
-    if isinstance(t, msgspec.inspect.IntType):
-        return _int_errors(loc, value, t)
-    if isinstance(t, msgspec.inspect.FloatType):
-        if isinstance(value, int | float) or (isinstance(value, str) and _is_float(value)):
-            return []
-        if isinstance(value, str):
-            return [_error("float_parsing", loc, "Input should be a valid number, unable to parse string as a number",
-                           value)]  # fmt: skip
-        return [_error("float_type", loc, "Input should be a valid number", value)]
-    if isinstance(t, msgspec.inspect.BoolType):
-        if lax_bool(value) is not None:
-            return []
-        if isinstance(value, str | int | float):
-            return [_error("bool_parsing", loc, "Input should be a valid boolean, unable to interpret input", value)]
-        return [_error("bool_type", loc, "Input should be a valid boolean", value)]
-    if isinstance(t, msgspec.inspect.StrType):
-        return [] if isinstance(value, str) else [_error("string_type", loc, "Input should be a valid string", value)]
-    if isinstance(t, msgspec.inspect.ListType):
-        if not isinstance(value, list):
-            return [_error("list_type", loc, "Input should be a valid list", value)]
-        return [e for i, item in enumerate(value) for e in _type_errors(f"{loc}.{i}", item, t.item_type)]
-    if isinstance(t, msgspec.inspect.DictType):
-        if not isinstance(value, dict):
-            return [_error("dict_type", loc, "Input should be a valid dictionary", value)]
-        return [e for k, v in value.items() for e in _type_errors(f"{loc}.{k}", v, t.value_type)]
-    if isinstance(t, msgspec.inspect.StructType):
-        if not isinstance(value, dict):
-            return [_model_type(loc, value, t.cls.__name__)]
-        return _struct_errors(loc, value, t.fields)
-    return []
-
-
-def _int_errors(loc: str, value: Any, t: msgspec.inspect.IntType) -> list[dict[str, Any]]:
-    number = lax_int(value)
-    if number is not None:
-        if t.ge is not None and number < t.ge:
-            return [_error("greater_than_equal", loc, f"Input should be greater than or equal to {t.ge}", value,
-                           {"ge": t.ge})]  # fmt: skip
-        if t.le is not None and number > t.le:
-            return [_error("less_than_equal", loc, f"Input should be less than or equal to {t.le}", value,
-                           {"le": t.le})]  # fmt: skip
-        return []
-    if isinstance(value, str):
-        return [_error("int_parsing", loc, "Input should be a valid integer, unable to parse string as an integer",
-                       value)]  # fmt: skip
-    if isinstance(value, float) and not math.isfinite(value):
-        return [_error("finite_number", loc, "Input should be a finite number", value)]
-    if isinstance(value, float) and value.is_integer():
-        return [_error("int_parsing_size", loc, "Unable to parse input string as an integer, exceeded maximum size",
-                       value)]  # fmt: skip
-    if isinstance(value, float):
-        return [_error("int_from_float", loc, "Input should be a valid integer, got a number with a fractional part",
-                       value)]  # fmt: skip
-    return [_error("int_type", loc, "Input should be a valid integer", value)]
-
-
-def _is_float(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _lax_fields(obj: dict[str, Any], kind: type) -> dict[str, Any]:
@@ -864,9 +753,9 @@ def _tokenize_validators(data: dict[str, Any]) -> None:
     a text `prompt` nor `messages` fails both, each naming its own required field."""
     if data.get("messages") is not None or isinstance(data.get("prompt"), str):
         return
-    prompt = _missing("body.prompt", data) if "prompt" not in data else _error(
+    prompt = missing_error("body.prompt", data) if "prompt" not in data else field_error(
         "string_type", "body.prompt", "Input should be a valid string", data["prompt"])  # fmt: skip
-    messages = _missing("body.messages", data) if "messages" not in data else _error(
+    messages = missing_error("body.messages", data) if "messages" not in data else field_error(
         "list_type", "body.messages", "Input should be a valid list", data["messages"])  # fmt: skip
     raise validation_error([prompt, messages])
 
@@ -910,13 +799,13 @@ def _response_format_errors(value: Any) -> list[dict[str, Any]]:
     details: list[dict[str, Any]] = []
     for model, types, required in _RESPONSE_FORMATS:
         if not isinstance(value, dict):
-            details.append(_model_type(loc, value, model))
+            details.append(model_type_error(loc, value, model))
             continue
-        errors = [_missing(f"{loc}.{name}", value) for name in ("type", *required) if name not in value]
+        errors = [missing_error(f"{loc}.{name}", value) for name in ("type", *required) if name not in value]
         if "type" in value and value["type"] not in types:
             quoted = [f"'{t}'" for t in types]
             expected = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
-            errors.insert(0, _error("literal_error", f"{loc}.type", f"Input should be {expected}", value["type"],
+            errors.insert(0, field_error("literal_error", f"{loc}.type", f"Input should be {expected}", value["type"],
                                     {"expected": expected}))  # fmt: skip
         if not errors:
             return []
@@ -926,17 +815,17 @@ def _response_format_errors(value: Any) -> list[dict[str, Any]]:
 
 def _side_errors(value: Any) -> list[dict[str, Any]]:
     """pydantic's literal_error for a `truncation_side` other than "left" or "right"."""
-    if value in ("left", "right"):
-        return []
-    return [_error("literal_error", "body.truncation_side", "Input should be 'left' or 'right'", value,
-                   {"expected": "'left' or 'right'"})]  # fmt: skip
+    return type_errors("body.truncation_side", value, _SIDE_TYPE)
+
+
+_SIDE_TYPE = msgspec.inspect.type_info(Literal["left", "right"])
 
 
 def _stop_errors(value: Any) -> list[dict[str, Any]]:
     """vLLM's `stop: str | Annotated[list[str], Field(max_length=VLLM_MAX_STOP_STRINGS)] | None`:
     a longer list fails both members of the union."""
     if not isinstance(value, list) or len(value) <= _MAX_STOP_STRINGS:
-        return _type_errors("body.stop", value, _STOP_TYPE)
+        return type_errors("body.stop", value, _STOP_TYPE)
     count = len(value)
     shown = f"<list of {count} items>"
     return [
@@ -954,25 +843,25 @@ def _tools_errors(tools: Any) -> list[dict[str, Any]]:
     """Pydantic's checks of chat's `tools` (list[ChatCompletionToolsParam]: `type` "function",
     `function` a FunctionDefinition with a string `name`)."""
     if not isinstance(tools, list):
-        return [_error("list_type", "body.tools", "Input should be a valid list", tools)]
+        return [field_error("list_type", "body.tools", "Input should be a valid list", tools)]
     details: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
         at = f"body.tools.{i}"
         if not isinstance(tool, dict):
-            details.append(_model_type(at, tool, "ChatCompletionToolsParam"))
+            details.append(model_type_error(at, tool, "ChatCompletionToolsParam"))
             continue
         if "type" in tool and tool["type"] != "function":
             details.append({"type": "literal_error", "loc": f"{at}.type", "msg": "Input should be 'function'",
-                            "input": _error_input(tool["type"]), "ctx": {"expected": "'function'"}})  # fmt: skip
+                            "input": error_input(tool["type"]), "ctx": {"expected": "'function'"}})  # fmt: skip
         function = tool.get("function")
         if "function" not in tool:
-            details.append(_missing(f"{at}.function", tool))
+            details.append(missing_error(f"{at}.function", tool))
         elif not isinstance(function, dict):
-            details.append(_model_type(f"{at}.function", function, "FunctionDefinition"))
+            details.append(model_type_error(f"{at}.function", function, "FunctionDefinition"))
         elif "name" not in function:
-            details.append(_missing(f"{at}.function.name", function))
+            details.append(missing_error(f"{at}.function.name", function))
         elif not isinstance(function["name"], str):
-            name = _error_input(function["name"])
+            name = error_input(function["name"])
             details.append({"type": "string_type", "loc": f"{at}.function.name",
                             "msg": "Input should be a valid string", "input": name})  # fmt: skip
     return details
@@ -986,15 +875,6 @@ _FIELD_CHECKS: dict[str, Callable[[Any], list[dict[str, Any]]]] = {
     "tools": _tools_errors,
     "stop": _stop_errors,
 }
-
-
-def _missing(loc: str, parent: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "missing", "loc": loc, "msg": "Field required", "input": _error_input(parent)}
-
-
-def _model_type(loc: str, value: Any, model: str) -> dict[str, Any]:
-    return {"type": "model_type", "loc": loc, "msg": f"Input should be a valid dictionary or instance of {model}",
-            "input": _error_input(value), "ctx": {"class_name": model}}  # fmt: skip
 
 
 def _check_tool_usage(data: dict[str, Any]) -> None:

@@ -12,9 +12,10 @@ exception text stay in the router's log.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
@@ -23,6 +24,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from protocol.vllm_errors import VALIDATION_ERROR, Detail, json_invalid_error, validation_message, validation_param
 from router.client_buffers import bound_unsent
 from router.leg import LegError
 from router.metrics import RouterMetrics
@@ -38,10 +40,12 @@ __all__ = [
     "FrontDoorRunner",
     "json_response",
     "leg_error",
+    "not_json",
     "openai_errors",
     "plan_error",
     "prompt_too_long",
     "unsupported_media_type",
+    "validation_failed",
 ]
 
 log = logging.getLogger(__name__)
@@ -75,8 +79,10 @@ class ApiError(Exception):
         retry_after_s: int | None = None,
         close: bool = False,
         body: bytes = b"",
+        kind: str | None = None,
     ) -> None:
         self.code = code
+        self.kind = kind or _ERROR_TYPES.get(code, "InternalServerError")
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s
@@ -85,8 +91,7 @@ class ApiError(Exception):
         super().__init__(message)
 
     def body(self) -> dict[str, Any]:
-        kind = _ERROR_TYPES.get(self.code, "InternalServerError")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
@@ -157,11 +162,6 @@ def leg_error(exc: LegError, *, streaming: bool = False) -> ApiError:
 _MIDWAY = "the worker serving the request failed while streaming it"
 NO_LOCAL_PREFILL_WHY = "no prefill worker could serve the request for a decode worker that cannot prefill locally"
 _UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
-# vLLM's body for it (its validation handler: "1 validation error:" and the error, type "Bad Request").
-_UNSUPPORTED_MEDIA_TYPE_BODY = _JSON.encode(
-    {"error": {"message": f"1 validation error:\n  {_UNSUPPORTED_MEDIA_TYPE}", "type": "Bad Request", "param": None,
-               "code": 400}}
-)  # fmt: skip
 
 
 # vLLM 0.32 serves these; kvswitch does not route them (docs/router.md, "Endpoints").
@@ -310,6 +310,25 @@ class FrontDoorRunner(web.AppRunner):
         return server
 
 
+def validation_failed(details: Sequence[Detail], *, close: bool = False) -> ApiError:
+    """vLLM's 400 for a body its pydantic model refuses, as its validation handler writes it
+    (protocol.vllm_errors): type "Bad Request", `param` the first error's location."""
+    return ApiError(400, validation_message(details), validation_param(details), close=close, kind=VALIDATION_ERROR)
+
+
+def not_json(raw: bytes, exc: Exception) -> ApiError:
+    """A body msgspec could not decode: vLLM's 400 (FastAPI's json_invalid error: the stdlib
+    decoder's offset and words) where the stdlib refuses it too; the router's own where only msgspec
+    does (NaN, Infinity, 1e400, which vLLM reads and the router could not send on as JSON)."""
+    try:
+        json.loads(raw)
+    except json.JSONDecodeError as err:
+        return validation_failed([json_invalid_error(err.pos, err.msg)])
+    except (ValueError, RecursionError):  # not UTF-8, or nested past Python's limit
+        pass
+    return ApiError(400, f"the body is not valid JSON: {exc}", "body")
+
+
 def unsupported_media_type(*, close: bool) -> ApiError:
     """vLLM's 400, in its body, for a body on a JSON route sent as another media type."""
-    return ApiError(400, _UNSUPPORTED_MEDIA_TYPE, body=_UNSUPPORTED_MEDIA_TYPE_BODY, close=close)
+    return validation_failed([_UNSUPPORTED_MEDIA_TYPE], close=close)

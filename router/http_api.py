@@ -78,6 +78,7 @@ from router.api_errors import (
     ApiError,
     json_response,
     leg_error,
+    not_json,
     openai_errors,
     plan_error,
     prompt_too_long,
@@ -90,7 +91,15 @@ from router.expectations import ExpectRoutes, expectations, send_continue
 from router.leg import LegError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.planner import PlanError
-from router.request_parsing import ParsedRequest, header_priority, is_text, parse_request, prompt_ids, typed_field
+from router.request_parsing import (
+    NOT_AN_OBJECT,
+    ParsedRequest,
+    header_priority,
+    is_text,
+    parse_request,
+    prompt_ids,
+    typed_field,
+)
 from router.request_path import RequestPath, Unknown
 from router.route_info import route_info_mode, route_shown
 from router.tokenization import Tokenization
@@ -433,7 +442,7 @@ class _Handlers:
         try:
             body = await self._json_body(request)
             if not isinstance(body, dict):
-                raise ApiError(400, "the request body must be a JSON object")
+                raise ApiError(400, NOT_AN_OBJECT)
             model = self._model(typed_field(body, "model", str, None))
             try:
                 raw = await self.path.call(model, endpoint, body, request_id=rid)
@@ -511,10 +520,12 @@ class _Handlers:
             ) from None
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"the request body is over the limit of {limit} bytes", "body", close=True) from None
+        if not raw:  # engine_sim's reading: no JSON object
+            raise ApiError(400, NOT_AN_OBJECT)
         try:
             return _DECODE_JSON.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ApiError(400, f"the body is not valid JSON: {exc}", "body") from exc
+            raise not_json(raw, exc) from exc
         except RecursionError:
             raise ApiError(400, "the body's JSON is nested too deeply", "body") from None
 

@@ -13,18 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, cast
 
 import msgspec
 
 from protocol import asks_prompt_logprobs, lax_bool
 from protocol.messages import lax_int
-from router.api_errors import ApiError
+from protocol.vllm_errors import struct_errors, type_errors
+from router.api_errors import ApiError, validation_failed
 from router.request_context import RequestShape
 from router.tokenization import ChatOptions, Tokenization, TokenizerError, UntrustedTemplate
 
-__all__ = ["ParsedRequest", "header_priority", "is_text", "keep_specials_truncated", "parse_request", "prompt_ids",
-           "typed_field"]  # fmt: skip
+__all__ = ["NOT_AN_OBJECT", "ParsedRequest", "StreamOptions", "header_priority", "is_text", "keep_specials_truncated",
+           "parse_request", "prompt_ids", "typed_field"]  # fmt: skip
 
 # Set by the router for the engine, never by a client: transfer handles name hosts the engine
 # would pull KV from. A null is none: vLLM 0.32 (like TensorRT-LLM and SGLang) reads it as unset
@@ -49,6 +50,7 @@ def _names_nothing(name: str, value: Any) -> bool:
     return value is None or (name in _HANDLES and value == {})
 
 
+NOT_AN_OBJECT = "request body must be a JSON object"  # engine_sim's words
 _TOKEN_ID_LIMIT = 2**32  # canonical block hashes pack ids as u32
 _TokenIds = list[Annotated[int, msgspec.Meta(ge=0, lt=_TOKEN_ID_LIMIT)]]
 _INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1  # what a msgpack integer holds
@@ -79,20 +81,74 @@ class ParsedRequest:
     truncate_to_context: tuple[int, str | None] | None = None
 
 
-_KINDS: dict[type | tuple[type, ...], str] = {
-    bool: "a boolean",
-    int: "an integer",
-    str: "a string",
-    list: "a list",
-    dict: "an object",
-    (int, float): "a number",
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """vLLM's, named as its errors name it."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+_SEED = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+class _CompletionFields(msgspec.Struct, kw_only=True):
+    """vLLM 0.32's CompletionRequest's types of the fields the router reads, in its order, which is
+    the order pydantic reports their errors in (engine_sim's model has them all). `annotations`
+    is kvswitch's own, last."""
+
+    model: str | None = None
+    max_tokens: int | None = 16
+    n: int = 1
+    seed: _SEED | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool = True
+    annotations: list[str] | None = None
+
+
+class _ChatFields(msgspec.Struct, kw_only=True):
+    """As _CompletionFields, of vLLM 0.32's ChatCompletionRequest."""
+
+    messages: list[Any]
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = 1
+    seed: _SEED | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    tools: list[Any] | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    annotations: list[str] | None = None
+
+
+_FIELDS = {chat: cast(msgspec.inspect.StructType, msgspec.inspect.type_info(t)).fields
+           for chat, t in ((False, _CompletionFields), (True, _ChatFields))}  # fmt: skip
+_TYPES: dict[type, msgspec.inspect.Type] = {
+    kind: msgspec.inspect.type_info(kind) for kind in (bool, int, str, list, dict)
 }
 
 
-def typed_field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+def _check_fields(body: dict[str, Any], chat: bool) -> None:
+    """Every field the router reads that vLLM's model would refuse, in one 400 as vLLM's (vLLM's
+    names the fields the router does not read too: the engine's)."""
+    if details := struct_errors("body", body, _FIELDS[chat]):
+        raise validation_failed(details)
+
+
+def typed_field(body: Mapping[str, Any], name: str, kind: type, default: Any = None, *, at: str = "body") -> Any:
     """`body[name]` as `kind`. Integers and booleans are read as vLLM's pydantic models read them
     (so as engine_sim does): 512.0, "512" and " 512 " are 512, true is 1 ("1e3" and 3.5 are not);
-    "true", "yes" and 1 are True."""
+    "true", "yes" and 1 are True. Refused in vLLM's words, `at` the body's path to `body`."""
     value = body.get(name)
     if value is None:
         return default
@@ -104,7 +160,7 @@ def typed_field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...
         if not _INT_MIN <= number <= _UINT_MAX:  # text holds any size; _check_ints sees ints only
             raise ApiError(400, f"'{name}' is out of the 64-bit integer range", name)
         return number
-    raise ApiError(400, f"'{name}' must be {_KINDS.get(kind, kind)}, got {type(value).__name__}", name)
+    raise validation_failed(type_errors(f"{at}.{name}", value, _TYPES[kind]))
 
 
 def _valid_ids(raw: list[Any]) -> list[int] | None:
@@ -215,7 +271,7 @@ def _request_template(body: Mapping[str, Any], kwargs: Mapping[str, Any]) -> str
     """The client's own chat template: vLLM takes one in chat_template_kwargs as the request's too,
     and refuses it alike. Both given would leave one unused: refused rather than one dropped."""
     own: str | None = typed_field(body, "chat_template", str, None)
-    in_kwargs: str | None = typed_field(kwargs, "chat_template", str, None)
+    in_kwargs: str | None = typed_field(kwargs, "chat_template", str, None, at="body.chat_template_kwargs")
     if own is not None and in_kwargs is not None:
         raise ApiError(400, "give the chat template once: 'chat_template' or 'chat_template_kwargs'", "chat_template")
     return own if own is not None else in_kwargs
@@ -231,7 +287,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
     """Validate what the router reads of an OpenAI request body; ApiError(400) naming the
     parameter for anything wrong. Everything else goes to the engine unread."""
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        raise ApiError(400, NOT_AN_OBJECT)
     for name in _ROUTER_ONLY:
         if not _names_nothing(name, body.get(name)):
             raise ApiError(400, f"'{name}' is set by the router, not by clients", name)
@@ -249,13 +305,16 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
             "eviction",
             "vllm_xargs",
         )
+    _check_fields(body, chat)
     _check_ints(body)
     messages = options = None
     prompts: list[str | list[int]] = []
     if chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise ApiError(400, "'messages' must be a non-empty list of message objects", "messages")
+        if not messages:  # vLLM's words (its renderer's), naming no parameter
+            raise ApiError(400, "Cannot apply chat template to an empty conversation. Provide at least one message.")
+        if not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "'messages' must be a list of message objects", "messages")
         options = _chat_options(body)
     else:
         # vLLM prefills the embeddings as prompts of their own, ahead of `prompt`: a batch whose
@@ -275,10 +334,6 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
     truncate = typed_field(body, "truncate_prompt_tokens", int, None)
     side = typed_field(body, "truncation_side", str, None)
     annotations = typed_field(body, "annotations", list, [])
-    if not all(isinstance(a, str) for a in annotations):
-        raise ApiError(400, "'annotations' must be a list of strings", "annotations")
-    stream_options = typed_field(body, "stream_options", dict, {})
-    typed_field(stream_options, "include_usage", bool)
     # The router's own fields the client sent as null (none other passed the refusal above) are
     # none: not passed on, as the adapters set them per leg. A null in vllm_xargs goes on as sent:
     # vLLM 0.32 refuses it there itself (its values are strings, numbers or lists).
@@ -386,14 +441,13 @@ async def prompt_ids(
 
 def _param_of(exc: TokenizerError, parsed: ParsedRequest) -> str:
     """The field the client sent what a rendering error is about: transformers' checks of `tools`
-    from chat_template_kwargs and of `documents` (top-level, else from chat_template_kwargs, as
-    _chat_options merges them), else the messages (or the prompt) the template renders."""
+    and `documents` from chat_template_kwargs (only those reach the template unchecked: the
+    top-level ones are checked as vLLM's model checks them), else the messages (or the prompt)
+    the template renders."""
     if not parsed.chat:
         return "prompt"
-    if exc.what == "tools":  # only chat_template_kwargs' tools reach the template unchecked
+    if exc.what in ("tools", "documents"):
         return "chat_template_kwargs"
-    if exc.what == "documents":
-        return "documents" if parsed.params.get("documents") is not None else "chat_template_kwargs"
     return "messages"
 
 

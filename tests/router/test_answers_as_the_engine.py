@@ -80,6 +80,49 @@ async def test_the_routers_own_refusals_echo_the_clients_request_id(cluster: Clu
             assert headers.get("x-request-id") == "gw-7", out
 
 
+# What the router refuses itself, in the body vLLM's validation handler writes (engine_sim's).
+_VALIDATION: list[tuple[str, Any]] = [
+    ("/v1/completions", {**_OK, "n": "two"}),
+    ("/v1/completions", {**_OK, "n": 2.5}),
+    ("/v1/completions", {**_OK, "n": None}),  # a completion's n takes no null (chat's does)
+    ("/v1/completions", {**_OK, "stream": "maybe"}),
+    ("/v1/completions", {**_OK, "max_tokens": "x"}),
+    ("/v1/completions", {**_OK, "max_tokens": "x", "n": "two"}),  # both, in vLLM's field order
+    ("/v1/completions", {**_OK, "model": 5}),
+    ("/v1/completions", {**_OK, "seed": 2**70}),
+    ("/v1/completions", {**_OK, "stream": True, "stream_options": "x"}),
+    ("/v1/completions", {**_OK, "stream": True, "stream_options": {"include_usage": "maybe"}}),
+    ("/v1/completions", {**_OK, "add_special_tokens": "maybe"}),
+    ("/v1/completions", {**_OK, "truncate_prompt_tokens": 3, "truncation_side": 5}),
+    ("/v1/completions", '{"model": '),
+    ("/v1/chat/completions", '{"model": "x", "messages": [}'),
+    ("/v1/completions", "[1, 2]"),
+    ("/v1/completions", ""),
+    ("/v1/chat/completions", {k: v for k, v in _CHAT.items() if k != "messages"}),
+    ("/v1/chat/completions", {**_CHAT, "messages": []}),
+    ("/v1/chat/completions", {**_CHAT, "max_completion_tokens": 1.5, "n": "x"}),
+    ("/v1/chat/completions", {**_CHAT, "add_generation_prompt": "maybe"}),
+    ("/v1/chat/completions", {**_CHAT, "tools": {"type": "function"}}),
+    ("/v1/chat/completions", {**_CHAT, "documents": [{"title": 5}]}),
+    ("/v1/chat/completions", {**_CHAT, "chat_template_kwargs": []}),
+    ("/tokenize", {"model": 5, "prompt": "hi"}),
+]
+
+
+async def test_the_routers_own_400s_are_the_engines_to_the_byte(
+    one_model: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """A field the router reads and vLLM's model refuses: the router answered in its own words
+    (`"type": "BadRequestError"`, `param` "n"), vLLM in its validation handler's ("Bad Request",
+    "body.n", pydantic's errors)."""
+    router, sim = one_model.routers[0], one_model.workers[0].sim
+    for path, body in _VALIDATION:
+        direct = await post(http, sim.url + path, body)
+        routed = await post(http, router.url + path, body)
+        assert routed[0] == direct[0] == 400, (path, body, routed[1], direct[1])
+        assert routed[1] == direct[1], (path, body)
+
+
 _NO_MODEL: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"prompt": "hello world the cache", "max_tokens": 5}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "explain the cache"}], "max_tokens": 4}),

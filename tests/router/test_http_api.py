@@ -472,15 +472,15 @@ USER_X = [{"role": "user", "content": "x"}]
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/completions", "{not json", "body"),
+        ("/v1/completions", "{not json", "body.1"),  # vLLM's: the offset
         ("/v1/completions", "[1, 2]", None),
         ("/v1/completions", {"model": MODEL}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, -2]}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, 2**32]}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [[1], []]}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "maybe"}, "stream"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "1e3"}, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "maybe"}, "body.stream"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "1e3"}, "body.max_tokens"),
         (
             "/v1/completions",
             {"model": MODEL, "prompt": "x", "kv_transfer_params": {"remote_host": "10.0.0.1"}},
@@ -495,12 +495,12 @@ USER_X = [{"role": "user", "content": "x"}]
             '{"model": "sim-llama", "prompt": "' + "[" * 10 + '", "x": ' + "[" * 10_000 + "]" * 10_000 + "}",
             "body",
         ),
-        ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+        # {"messages": []}: vLLM's words, no param (tests/router/test_answers_as_the_engine.py)
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, "messages"),
         (
             "/v1/chat/completions",
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []},
-            "chat_template_kwargs",
+            "body.chat_template_kwargs",
         ),
         # A template is code the router would run: refused, as vLLM refuses it, unless trusted.
         (

@@ -26,7 +26,7 @@ REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("chat/completions", {"max_completion_tokens": 4, "min_tokens": 5}),
     ("chat/completions", {"max_completion_tokens": 10**6}),
     # a null where vLLM types the field `int` (its 400 int_type), not an absent field
-    ("completions", {"max_tokens": 5, "n": None}),
+    ("completions", {"max_tokens": 5, "priority": None}),
     ("completions", {"max_tokens": 5, "min_tokens": None}),
     ("chat/completions", {"max_completion_tokens": 5, "min_tokens": None}),
 ]

@@ -92,20 +92,29 @@ def test_integers_and_booleans_are_read_as_vllm_reads_them(body: dict[str, Any],
     assert {k: parsed.params[k] for k in body} == body, "the engine gets the values as sent"
 
 
+_INT = "Input should be a valid integer"
+
+
 @pytest.mark.parametrize(
-    ("name", "value", "message"),
+    ("name", "value", "kind", "msg"),
     [
-        ("max_tokens", 3.5, "'max_tokens' must be an integer, got float"),
-        ("max_tokens", "many", "'max_tokens' must be an integer, got str"),
-        ("n", [2], "'n' must be an integer, got list"),
-        ("stream", "maybe", "'stream' must be a boolean, got str"),
-        ("stream", 2, "'stream' must be a boolean, got int"),
+        ("max_tokens", 3.5, "int_from_float", f"{_INT}, got a number with a fractional part"),
+        ("max_tokens", "many", "int_parsing", f"{_INT}, unable to parse string as an integer"),
+        ("n", [2], "int_type", _INT),
+        ("stream", "maybe", "bool_parsing", "Input should be a valid boolean, unable to interpret input"),
+        ("stream", 2, "bool_parsing", "Input should be a valid boolean, unable to interpret input"),
     ],
 )
-def test_what_vllm_would_not_read_is_400_naming_it(name: str, value: Any, message: str) -> None:
+def test_what_vllm_would_not_read_is_400_naming_it(name: str, value: Any, kind: str, msg: str) -> None:
+    """In vLLM's validation handler's words: pydantic's error, `param` its location."""
     with pytest.raises(ApiError) as err:
         parse_request({"prompt": "hi", name: value}, chat=False)
-    assert (err.value.code, err.value.param, err.value.message) == (400, name, message)
+    shown = "<list of 1 items>" if isinstance(value, list) else str(value)
+    detail = {"type": kind, "loc": f"body.{name}", "msg": msg, "input": shown}
+    assert err.value.body() == {
+        "error": {"message": f"1 validation error:\n  {detail}", "type": "Bad Request", "param": f"body.{name}",
+                  "code": 400}
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -242,9 +251,10 @@ async def test_a_chat_truncation_with_no_side_keeps_the_special_tokens_the_token
         # transformers' checks of what reaches the template unvalidated name the field the client
         # sent it in (until 2026-12-07 every rendering error named `messages`)
         ({"chat_template_kwargs": {"tools": [1]}}, "chat_template_kwargs"),
-        ({"documents": ["a"]}, "documents"),
+        # a top-level document not an object is vLLM's model's 400 (list[dict[str, str]]), before rendering
+        ({"documents": ["a"]}, "body.documents.0"),
         ({"chat_template_kwargs": {"documents": ["a"]}}, "chat_template_kwargs"),
-        ({"documents": ["a"], "chat_template_kwargs": {"documents": [{"title": "t", "text": "x"}]}}, "documents"),
+        ({"documents": [1], "chat_template_kwargs": {"documents": [{"title": "t", "text": "x"}]}}, "body.documents.0"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ],
 )
