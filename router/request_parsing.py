@@ -172,23 +172,40 @@ def _valid_ids(raw: list[Any]) -> list[int] | None:
         return None
 
 
-def _token_ids(raw: list[Any], param: str) -> list[int]:
+def _token_ids(raw: list[Any]) -> list[int]:
     """`raw` as token ids, read as vLLM's pydantic model reads them: 2.0, "2" and true are ids too
-    (lax_int), one by one in Python only when the strict reading in C fails."""
+    (lax_int), one by one in Python only when the strict reading in C fails. Any size: _in_range
+    judges them."""
     ids = _valid_ids(raw)
     if ids is not None:
         return ids
     ids = []
     for t in raw:
-        tid = lax_int(t)
-        if tid is None or not 0 <= tid < _TOKEN_ID_LIMIT:
-            raise ApiError(400, f"token ids must be integers in [0, 2^32), got {t!r}", param)
+        if (tid := lax_int(t)) is None:
+            raise ApiError(400, _NOT_A_PROMPT, "prompt")
         ids.append(tid)
     return ids
 
 
-# vLLM's words (its InputProcessor's; it names no parameter, the router names the prompt)
+def _in_range(batch: list[list[int]]) -> list[list[int]]:
+    """`batch`, refused as vLLM refuses what the router cannot hash (ids are u32 there): an id
+    below 0 by its model (`ge=0`, its first, named), else an id past the vocabulary by its engine
+    (a prompt's highest, naming no parameter), 2^32 and beyond being past any vocabulary."""
+    negative = next((t for ids in batch for t in ids if t < 0), None)
+    if negative is not None:
+        raise ApiError(400, f"Token id {negative} is out of vocabulary (parameter=prompt)", "prompt")
+    for ids in batch:
+        if (high := max(ids, default=0)) >= _TOKEN_ID_LIMIT:
+            raise ApiError(400, f"Token id {high} is out of vocabulary")
+    return batch
+
+
+# vLLM's words (its InputProcessor's, naming no parameter; its renderer's; its validator's) and
+# engine_sim's for a prompt of no form vLLM takes
 _EMPTY_PROMPT = "The decoder prompt cannot be empty"
+_NO_PROMPTS = "You must pass at least one prompt"
+_NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
+_NOT_A_PROMPT = "prompt must be a string, a list of token ids, or a list of strings or token-id lists"
 
 
 def _prompts(raw: Any) -> list[str | list[int]]:
@@ -196,12 +213,12 @@ def _prompts(raw: Any) -> list[str | list[int]]:
     lists, picked as its pydantic union picks: all strings are texts (["1", "2"] too), all lists
     are id lists, lists among other things are refused (vLLM 0.32 too), and anything else is one
     prompt of ids ([1, "2"] is [1, 2])."""
-    if raw == "":  # vLLM's validator refuses it before rendering (a BOS alone would be served)
-        raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+    if raw is None or raw == "":  # vLLM's validator refuses it before rendering (a BOS alone would be served)
+        raise ApiError(400, _NO_PROMPT, "prompt")
     if isinstance(raw, str):
         return [raw]
     if raw == []:
-        raise ApiError(400, "You must pass at least one prompt", "prompt")  # vLLM's renderer's words
+        raise ApiError(400, _NO_PROMPTS)
     if isinstance(raw, list):
         ids = _valid_ids(raw)
         if ids is not None:
@@ -209,20 +226,14 @@ def _prompts(raw: Any) -> list[str | list[int]]:
         if all(isinstance(item, str) for item in raw):
             return list(raw)
         if all(isinstance(item, list) for item in raw):
-            batch: list[str | list[int]] = []
-            for item in raw:
-                if not item:
-                    raise ApiError(400, _EMPTY_PROMPT, "prompt")
-                batch.append(_token_ids(item, "prompt"))
-            return batch
+            batch = [_token_ids(item) for item in raw]
+            if not all(batch):
+                raise ApiError(400, _EMPTY_PROMPT)
+            return list(_in_range(batch))
         if any(isinstance(item, list) for item in raw):  # ["text", [6, 7, 8]]
             raise ApiError(400, "a batch of prompts must be all strings or all token-id lists", "prompt")
-        return [_token_ids(raw, "prompt")]
-    raise ApiError(
-        400,
-        "'prompt' must be a string, a non-empty list of token ids, or a list of strings or token-id lists",
-        "prompt",
-    )
+        return list(_in_range([_token_ids(raw)]))
+    raise ApiError(400, _NOT_A_PROMPT, "prompt")
 
 
 def _check_ints(params: Mapping[str, Any]) -> None:
@@ -325,9 +336,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
                 "kvswitch routes text or token-id prompts, not 'prompt_embeds': send embeddings to an engine directly",
                 "prompt_embeds",
             )
-        if body.get("prompt") is None:
-            raise ApiError(400, "'prompt' is required (the router routes text or token ids, not embeddings)", "prompt")
-        prompts = _prompts(body["prompt"])
+        prompts = _prompts(body.get("prompt"))
     max_tokens = typed_field(body, "max_completion_tokens", int, None) if chat else None
     max_tokens = max_tokens if max_tokens is not None else typed_field(body, "max_tokens", int, None)
     n = typed_field(body, "n", int, 1)
@@ -435,7 +444,7 @@ async def prompt_ids(
     except TokenizerError as exc:
         raise ApiError(400, str(exc), _param_of(exc, parsed)) from exc
     if not prompts[0]:
-        raise ApiError(400, _EMPTY_PROMPT, "prompt")
+        raise ApiError(400, _EMPTY_PROMPT)
     return prompts[0], prompts
 
 

@@ -106,6 +106,18 @@ _VALIDATION: list[tuple[str, Any]] = [
     ("/v1/chat/completions", {**_CHAT, "documents": [{"title": 5}]}),
     ("/v1/chat/completions", {**_CHAT, "chat_template_kwargs": []}),
     ("/tokenize", {"model": 5, "prompt": "hi"}),
+    # the prompt's refusals, in vLLM's words and with its `param` (null where it names none)
+    ("/v1/completions", {**_OK, "prompt": ""}),
+    ("/v1/completions", {**_OK, "prompt": None}),
+    ("/v1/completions", {k: v for k, v in _OK.items() if k != "prompt"}),
+    ("/v1/completions", {**_OK, "prompt": []}),
+    ("/v1/completions", {**_OK, "prompt": [[]]}),
+    ("/v1/completions", {**_OK, "prompt": [[1, 2], []]}),
+    ("/v1/completions", {**_OK, "prompt": 5}),
+    ("/v1/completions", {**_OK, "prompt": [1, 2.5]}),
+    ("/v1/completions", {**_OK, "prompt": [1, -2]}),
+    ("/v1/completions", {**_OK, "prompt": [1, 2**32]}),
+    ("/v1/completions", {**_OK, "prompt": [[1, 2**33], [3, -2]]}),
 ]
 
 

@@ -90,9 +90,14 @@ def test_a_batch_mixing_texts_and_id_lists_is_refused_saying_so(prompt: Any) -> 
     )
 
 
-def test_a_lax_id_names_the_first_id_vllm_would_refuse() -> None:
+def test_an_id_vllm_would_not_read_is_a_prompt_of_no_form_it_takes() -> None:
+    """As engine_sim words it (vLLM's union refuses every member); until 2026-12-07 the router's
+    own words named the id."""
     err = _refused({"prompt": [1, "2", 2.5, "x"]})
-    assert err.message == "token ids must be integers in [0, 2^32), got 2.5"
+    assert (err.param, err.message) == (
+        "prompt",
+        "prompt must be a string, a list of token ids, or a list of strings or token-id lists",
+    )
 
 
 def test_a_prompt_of_plain_ids_is_read_in_c(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,24 +30,33 @@ def test_prompt_forms(prompt: Any, expected: list[Any]) -> None:
     assert parse_request({"prompt": prompt}, chat=False).prompts == expected
 
 
+_MIXED = "a batch of prompts must be all strings or all token-id lists"
+_NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
+
+
 @pytest.mark.parametrize(
-    ("prompt", "message"),
+    ("prompt", "message", "param"),
     [
-        ([1, -1], "token ids must be integers in [0, 2^32), got -1"),
-        ([1, 2**32], "token ids must be integers in [0, 2^32), got 4294967296"),
-        ([[1, 2], [3, 2**40]], "token ids must be integers in [0, 2^32), got 1099511627776"),
+        # vLLM's (engine_sim's) words: an id below 0 its model's, named, an id past the
+        # vocabulary its engine's (the prompt's highest), naming no parameter
+        ([1, -1], "Token id -1 is out of vocabulary (parameter=prompt)", "prompt"),
+        ([[1, 2**33], [3, -2]], "Token id -2 is out of vocabulary (parameter=prompt)", "prompt"),
+        ([1, 2**32, 2**33, 5], "Token id 8589934592 is out of vocabulary", None),
+        ([[1, 2], [3, 2**40]], "Token id 1099511627776 is out of vocabulary", None),
+        ([1, 2.5], "prompt must be a string, a list of token ids, or a list of strings or token-id lists", "prompt"),
         # vLLM 0.32 refuses a batch mixing texts and id lists (tests/router/test_request_fidelity.py)
-        (["a", [7, -4]], "a batch of prompts must be all strings or all token-id lists"),
-        (["a", [1, 2], "b"], "a batch of prompts must be all strings or all token-id lists"),
-        ("", "Either prompt or prompt_embeds must be provided and non-empty."),  # vLLM's validator
-        ([], "You must pass at least one prompt"),  # vLLM 0.32's words (and engine_sim's)
-        ([[1], []], "The decoder prompt cannot be empty"),
+        (["a", [7, -4]], _MIXED, "prompt"),
+        (["a", [1, 2], "b"], _MIXED, "prompt"),
+        ("", _NO_PROMPT, "prompt"),  # vLLM's validator
+        (None, _NO_PROMPT, "prompt"),
+        ([], "You must pass at least one prompt", None),  # vLLM 0.32's renderer's words (and engine_sim's)
+        ([[1], []], "The decoder prompt cannot be empty", None),  # its engine's
     ],
 )
-def test_bad_prompts_are_400_naming_the_prompt(prompt: Any, message: str) -> None:
+def test_bad_prompts_are_400_in_vllms_words(prompt: Any, message: str, param: str | None) -> None:
     with pytest.raises(ApiError) as err:
         parse_request({"prompt": prompt}, chat=False)
-    assert (err.value.code, err.value.param, err.value.message) == (400, "prompt", message)
+    assert (err.value.code, err.value.param, err.value.message) == (400, param, message)
 
 
 def test_a_long_id_prompt_is_returned_as_sent() -> None:
