@@ -19,12 +19,17 @@ load report is superseded by the next one; a KV batch missed so shows as a gap a
 to the digest check of its load reports, and is repaired (router.kv_ingest), as one lost on the
 way is.
 
-One task makes every change, in order: each change subscribes before it unsubscribes, and
-unsubscribes without loss (runtime.nats_unsubscribe: every message the server sent the old
-subscription before its UNSUB goes through the handler), so no message of a worker heard before
-and after is missed (one may come twice: a load report again changes nothing, a KV batch again is
-a duplicate). nats-py's own `unsubscribe()` dropped the messages queued or in flight for the
-subscription it removed: 0 to 3 of an honest worker's at each switch (review of 2026-12-07).
+One task makes every change, in order: each change subscribes before it unsubscribes, unsubscribes
+`SWITCH_OVERLAP_S` after nats-server has the new subscriptions, and without loss
+(runtime.nats_unsubscribe: every message the server sent the old subscription before its UNSUB goes
+through the handler), so no message of a worker heard before and after is missed (those of the
+overlap come twice: a load report again changes nothing, a KV batch again is a duplicate). nats-py's
+own `unsubscribe()` dropped the messages queued or in flight for the subscription it removed: 0 to 3
+of an honest worker's at each switch (review of 2026-12-07). With the UNSUB sent right behind the
+SUB, nats-server itself lost one now and then: it matches a message against the subscriptions, then
+delivers it to each one not closed meanwhile, so a message matched before the SUB and delivered
+after the UNSUB went to neither (a burst on 8 connections at each of 10 switches: some lost in 5
+of 12 runs).
 None is made while the connection is down: nats-py queues a SUB made then and sends it on
 reconnect, while an unsubscribe then only forgets it here, so a subscription made and dropped
 within an outage stayed at nats-server, unseen (review of 2026-12-06: a worker that left during
@@ -66,6 +71,7 @@ log = logging.getLogger(__name__)
 
 QUARANTINE_S = 15.0
 QUARANTINE_MAX_FACTOR = 8
+SWITCH_OVERLAP_S = 0.1  # both heard at a switch, once nats-server has the new subscriptions
 
 
 @dataclass(slots=True)
@@ -272,19 +278,30 @@ class SenderSubscriptions:
         now = self._clock()
         for sender in [s for s, until in self._until.items() if until <= now]:
             del self._until[sender]
+        added = False
         if not self._until:
             if self._all is None:
                 self._all = await self._subscribe(self._all_subject)
+                added = True
             heard: set[str] = set()
         else:
             heard = set(self._workers()) - self._until.keys()
         for worker in heard - self._each.keys():
             self._each[worker] = await self._subscribe(self._one(worker))
-        # The SUBs above are sent before these UNSUBs on the one connection, and nats-server takes a
-        # connection's lines in order: a message is sent to the new subscription or the old one.
-        gone = [self._each.pop(worker) for worker in self._each.keys() - heard]
-        if self._until and self._all is not None:
-            gone.append(self._all)
+            added = True
+        left = self._each.keys() - heard
+        wildcard = self._all if self._until else None  # unheard while a sender is quarantined
+        if not left and wildcard is None:
+            return
+        if added:
+            # nats-server matches a message, then delivers it, skipping a subscription closed in
+            # between: a message matched before the new SUB and delivered after the old UNSUB right
+            # behind it was lost. The UNSUB goes once the server has the SUBs and a while after.
+            with contextlib.suppress(NatsError):  # down or frozen: unsubscribed all the same
+                await flush(self._nc)
+            await asyncio.sleep(SWITCH_OVERLAP_S)
+        gone = [self._each.pop(worker) for worker in left]
+        if wildcard is not None:
+            gone.append(wildcard)
             self._all = None
-        if gone:
-            await self._unsubscribe(gone)
+        await self._unsubscribe(gone)
