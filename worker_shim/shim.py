@@ -37,7 +37,6 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -101,6 +100,7 @@ from worker_shim.normaliser import Normaliser, NormaliserStats
 from worker_shim.orphaned_legs import OrphanedLegs
 from worker_shim.rebuild_guard import RebuildGuard
 from worker_shim.request_service import RequestService, leg_cap
+from worker_shim.stall_watchdog import StallWatchdog
 from worker_shim.tokenizer_probe import TokenizerRetry, registered_as, transient
 from worker_shim.transfer_failures import TransferFailures
 
@@ -117,10 +117,6 @@ SESSION_RETRY_MAX_S = 30.0  # the longest wait before a new session after sessio
 SESSION_SERVED_S = 60.0
 NAME_WAIT_MARGIN_S = 5.0  # past a held name's (or engine claim's) lease TTL, before it is taken for another shim's
 _TRANSIENT_STATUS = (408, 429)  # refusals that pass, like a 5xx: retried
-# The engine's load reading older than this many health intervals (and than STALE_MIN_S, beyond a
-# slow /metrics' probe timeout) is unknown: the progress watchdog takes no silence from it.
-STALE_READINGS = 3
-STALE_MIN_S = 3.0
 ALIVE_TOKEN = 1  # the prompt of the one-token request that tells a hung engine with nothing to do serves again
 ALIVE_OUTPUT_TOKENS = 1
 UNSUB_S = 10.0  # the most a worker id's close waits for its server's barrier and handlers
@@ -166,37 +162,6 @@ def _checked(setting: str, flag: int | None, engine: int | None) -> int | None:
     if flag is not None and engine is not None and flag != engine:
         raise ConfigError(setting, flag, f"the engine reports {engine}; drop the flag or make them agree")
     return engine if engine is not None else flag
-
-
-@dataclass(slots=True)
-class _Watch:
-    """The stall watchdog's last sight of a move: where the engine's work stood, and when. The
-    shim's, not a session's: legs left running when a session ends on a busy or down engine stay
-    watched while the shim waits for it and in the next session."""
-
-    progress: _Progress | None
-    moved_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Progress:
-    """What moves while a busy engine works: legs that ended well, the tokens each leg in flight has
-    sent, and the engine's own step counter and KV use (an engine without a step counter still
-    fills its KV cache as it decodes)."""
-
-    completed: int
-    sent: dict[str, int]
-    iterations: int
-    kv_usage: float | None
-
-    def moved_since(self, before: _Progress) -> bool:
-        # A leg that leaves (cancelled) is no progress: only output, a step or a KV change is.
-        return (
-            self.completed > before.completed
-            or self.iterations != before.iterations
-            or self.kv_usage != before.kv_usage
-            or any(n > before.sent.get(leg, 0) for leg, n in self.sent.items())
-        )
 
 
 def _unanswered_warning(workers: Sequence[str], bound: float, exc: BaseException) -> None:
@@ -310,8 +275,14 @@ class WorkerShim:
         self._engine_load: EngineLoad | None = None  # the last usable reading of the engine's load
         self._engine_load_at: float | None = None  # ... and the time.monotonic() it came back
         self._iterating_at: float | None = None  # the last reading held while iterations ran (EngineLoad.iterating)
-        self._stalled: _Progress | None = None  # where a hung engine stood when its session ended
-        self._watch = _Watch(None, time.monotonic())  # the stall watchdog's count (_hung), across sessions
+        # The shim's, not a session's: it watches legs a session left running too.
+        self.stall = StallWatchdog(
+            lambda: self.requests,
+            lambda: self.adapter,
+            stall_limit_s=self.config.stall_limit_s,
+            health_interval_s=self.config.health_interval_s,
+            engine_url=self.config.engine_url,
+        )
         self._held_since: float | None = None  # when --worker-name or the engine was first found held by another lease
         self.orphans: OrphanedLegs | None = None  # the legs of routers that died (worker_shim.orphaned_legs)
         self._orphans_task: asyncio.Task[None] | None = None
@@ -567,12 +538,12 @@ class WorkerShim:
         a hung engine's stats can stay at what it last reported (0 running, 0 waiting). With
         --no-endpoint-probe no such request is sent: its step counter or KV usage must move."""
         said = False
-        while (stalled := self._stalled) is not None:
+        while (stalled := self.stall.stalled) is not None:
             await self._read_load()
-            mark = self._progress()
+            mark = self.stall.progress(self._engine_load)
             if mark is not None:
                 moved = mark.moved_since(stalled)
-            elif self._idle_reading().moved_since(stalled):
+            elif self.stall.idle(self._engine_load).moved_since(stalled):
                 moved = True
             elif self.config.no_endpoint_probe:
                 moved = False
@@ -591,7 +562,7 @@ class WorkerShim:
                 moved = served
             if moved:
                 log.info("the engine at %s makes progress again", self.config.engine_url)
-                self._stalled = None
+                self.stall.stalled = None
                 break
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.health_interval_s):
@@ -649,43 +620,6 @@ class WorkerShim:
         except (TimeoutError, EngineError):
             return False
         return True
-
-    def _idle_reading(self) -> _Progress:
-        """Where an engine with no work stands: its step counter and KV usage as last read."""
-        load = self._engine_load
-        assert self.requests is not None
-        return _Progress(
-            completed=self.requests.completed,
-            sent={},
-            iterations=load.timing.iterations if load is not None else 0,
-            kv_usage=load.kv_usage if load is not None else None,
-        )
-
-    def _progress(self) -> _Progress | None:
-        """Where the engine stands while it has work (legs in flight, or requests it reports
-        running or waiting); None while it has none. A decode leg whose KV the engine still pulls
-        is no work of its own (a slow pull from another worker shows no step and no token), nor
-        is the request the engine reports for it; nor is a prefill leg whose engine waits for its
-        decode peer (SGLang's, after its handle went), nor what the engine reports in its P/D
-        queues (EngineLoad.peer_waiting). Until 2026-12-07 a healthy SGLang prefill engine holding
-        requests for slow decode peers was taken for hung."""
-        requests, load = self.requests, self._engine_load
-        assert requests is not None
-        # A pull is exempt for one stall limit: one that takes longer is a hang like any other. A wait
-        # for a decode peer is not: a full decode pool keeps it waiting as long as it stays full,
-        # which says nothing of this engine; the leg's deadline and SGLang's own bootstrap timeout end it.
-        since = time.monotonic() - self.config.stall_limit_s
-        pulling = sum(1 for rid, at in self.adapter.pulling.items() if at > since and rid in requests.inflight)
-        exempt = pulling + sum(1 for rid in self.adapter.waiting_peer if rid in requests.inflight)
-        reported = load.running + load.waiting - load.peer_waiting if load is not None else 0
-        if len(requests.inflight) == exempt and reported <= exempt:
-            return None
-        return _Progress(
-            completed=requests.completed,
-            sent={rid: leg.writer.sent_tokens for rid, leg in requests.inflight.items() if leg.writer is not None},
-            iterations=load.timing.iterations if load is not None else 0,
-            kv_usage=load.kv_usage if load is not None else None,
-        )
 
     async def _check_limits(self) -> EngineLimits:
         c = self.config
@@ -1705,49 +1639,8 @@ class WorkerShim:
                         "(--stall-limit-s)", legs, self.config.engine_url)  # fmt: skip
 
     def _hung(self, now: float) -> str | None:
-        """The stall watchdog's look: why the engine is hung (it was marked stalled), where its work
-        has not moved for the stall limit on fresh readings; else None. Stale readings, or no work
-        to judge, start the count again, as does an engine that holds its load reading while it
-        runs iterations (EngineLoad.iterating)."""
-        watch, mark, known_at = self._watch, self._progress(), self._known_at(now)
-        iterating = self._iterating_at is not None and now - self._iterating_at <= self._stale_s()
-        if mark is None or watch.progress is None or known_at is None or iterating or mark.moved_since(watch.progress):
-            watch.progress, watch.moved_at = mark, now
-            return None
-        if known_at - watch.moved_at < self.config.stall_limit_s:
-            return None
-        still_s, watch.progress = now - watch.moved_at, None  # its legs end: the count starts again
-        self._stall(mark, still_s)
-        return f"it made no progress for {still_s:.0f}s (hung)"
-
-    def _known_at(self, now: float) -> float | None:
-        """Until when the engine's progress is known: its last load reading's time. While that is
-        stale (/metrics fails, hangs or repeats itself: its frozen counters are no evidence of a
-        hang), now if a leg in flight has streamed output, whose tokens tell progress themselves;
-        else None (a long non-streamed request from idle shows nothing until it ends). Until
-        2026-12-07 stale readings alone were None: a hung TensorRT-LLM executor, whose /metrics
-        answers [] for ever and whose /health says its process is alive, was never caught."""
-        at = self._engine_load_at
-        if at is not None and now - at <= self._stale_s():
-            return at
-        legs = self.requests.inflight.values() if self.requests is not None else ()
-        return now if any(leg.writer is not None and leg.writer.sent_tokens for leg in legs) else None
-
-    def _stale_s(self) -> float:
-        return max(STALE_READINGS * self.config.health_interval_s, STALE_MIN_S)
-
-    def _stall(self, mark: _Progress, still_s: float) -> None:
-        load = self._engine_load
-        log.error(
-            "engine at %s made no progress for %.0fs (%d legs in flight; it reports %s running, %s waiting): "
-            "hung: its legs end, and it is kept deregistered until it moves again",
-            self.config.engine_url,
-            still_s,
-            len(self.requests.inflight) if self.requests is not None else 0,
-            load.running if load is not None else "?",
-            load.waiting if load is not None else "?",
-        )
-        self._stalled = mark
+        """The stall watchdog's look (worker_shim.stall_watchdog) on the engine's last readings."""
+        return self.stall.look(now, self._engine_load, self._engine_load_at, self._iterating_at)
 
     async def _end_session(self, lost: str | None = None) -> None:
         """Deregister and close what the session opened; `lost`: why the engine was taken out of

@@ -1,0 +1,162 @@
+"""StallWatchdog: whether an engine with work makes progress, or is hung.
+
+A hung engine answers /health and /metrics; only the work it does not do shows it. While the engine
+has work (legs in flight, or requests it reports running or waiting), the watchdog takes where that
+work stands (`Progress`: legs that ended well, tokens each leg in flight has sent, the engine's step
+counter and KV use) at each look, and an engine whose work has not moved for `stall_limit_s` on
+fresh load readings is hung: the shim ends its legs and keeps it deregistered until it moves again
+(`stalled`, where it stood). Stale readings (older than STALE_READINGS health intervals and
+STALE_MIN_S), no work to judge, or an engine that holds its load reading while it runs iterations
+start the count again.
+
+The shim's, not a session's: legs left running when a session ends on a busy or down engine stay
+watched while the shim waits for it and in the next session. The shim owns the load readings and
+passes them to each look.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from worker_shim.adapters import EngineAdapter, EngineLoad
+from worker_shim.request_service import RequestService
+
+__all__ = ["STALE_MIN_S", "STALE_READINGS", "Progress", "StallWatchdog"]
+
+log = logging.getLogger(__name__)
+# The engine's load reading older than this many health intervals (and than STALE_MIN_S, beyond a
+# slow /metrics' probe timeout) is unknown: the progress watchdog takes no silence from it.
+STALE_READINGS = 3
+STALE_MIN_S = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What moves while a busy engine works: legs that ended well, the tokens each leg in flight has
+    sent, and the engine's own step counter and KV use (an engine without a step counter still
+    fills its KV cache as it decodes)."""
+
+    completed: int
+    sent: dict[str, int]
+    iterations: int
+    kv_usage: float | None
+
+    def moved_since(self, before: Progress) -> bool:
+        # A leg that leaves (cancelled) is no progress: only output, a step or a KV change is.
+        return (
+            self.completed > before.completed
+            or self.iterations != before.iterations
+            or self.kv_usage != before.kv_usage
+            or any(n > before.sent.get(leg, 0) for leg, n in self.sent.items())
+        )
+
+
+class StallWatchdog:
+    """`look` at each health check (and between sessions, over legs left running); `stalled` is
+    where a hung engine stood when it was judged, until the shim sees it move (and clears it).
+    `requests()` and `adapter()` are the shim's, read at each look."""
+
+    def __init__(
+        self,
+        requests: Callable[[], RequestService | None],
+        adapter: Callable[[], EngineAdapter],
+        *,
+        stall_limit_s: float,
+        health_interval_s: float,
+        engine_url: str,
+    ) -> None:
+        self._requests = requests
+        self._adapter = adapter
+        self.stall_limit_s = stall_limit_s
+        self.health_interval_s = health_interval_s
+        self.engine_url = engine_url
+        self.stalled: Progress | None = None  # where a hung engine stood when its session ended
+        self._mark: Progress | None = None  # the last sight of a move: where the engine's work stood ...
+        self._moved_at = time.monotonic()  # ... and when
+
+    def look(
+        self, now: float, load: EngineLoad | None, load_at: float | None, iterating_at: float | None
+    ) -> str | None:
+        """Why the engine is hung (it is marked stalled), where its work has not moved for the
+        stall limit on fresh readings; else None. `load` is the last usable reading of the
+        engine's load, `load_at` when it came back, `iterating_at` the last reading held while
+        iterations ran (EngineLoad.iterating)."""
+        mark, known_at = self.progress(load), self._known_at(now, load_at)
+        iterating = iterating_at is not None and now - iterating_at <= self.stale_s()
+        if mark is None or self._mark is None or known_at is None or iterating or mark.moved_since(self._mark):
+            self._mark, self._moved_at = mark, now
+            return None
+        if known_at - self._moved_at < self.stall_limit_s:
+            return None
+        still_s, self._mark = now - self._moved_at, None  # its legs end: the count starts again
+        self._stall(mark, still_s, load)
+        return f"it made no progress for {still_s:.0f}s (hung)"
+
+    def idle(self, load: EngineLoad | None) -> Progress:
+        """Where an engine with no work stands: its step counter and KV usage as last read."""
+        requests = self._requests()
+        assert requests is not None
+        return Progress(
+            completed=requests.completed,
+            sent={},
+            iterations=load.timing.iterations if load is not None else 0,
+            kv_usage=load.kv_usage if load is not None else None,
+        )
+
+    def progress(self, load: EngineLoad | None) -> Progress | None:
+        """Where the engine stands while it has work (legs in flight, or requests it reports
+        running or waiting); None while it has none. A decode leg whose KV the engine still pulls
+        is no work of its own (a slow pull from another worker shows no step and no token), nor
+        is the request the engine reports for it; nor is a prefill leg whose engine waits for its
+        decode peer (SGLang's, after its handle went), nor what the engine reports in its P/D
+        queues (EngineLoad.peer_waiting). Until 2026-12-07 a healthy SGLang prefill engine holding
+        requests for slow decode peers was taken for hung."""
+        requests, adapter = self._requests(), self._adapter()
+        assert requests is not None
+        # A pull is exempt for one stall limit: one that takes longer is a hang like any other. A wait
+        # for a decode peer is not: a full decode pool keeps it waiting as long as it stays full,
+        # which says nothing of this engine; the leg's deadline and SGLang's own bootstrap timeout end it.
+        since = time.monotonic() - self.stall_limit_s
+        pulling = sum(1 for rid, at in adapter.pulling.items() if at > since and rid in requests.inflight)
+        exempt = pulling + sum(1 for rid in adapter.waiting_peer if rid in requests.inflight)
+        reported = load.running + load.waiting - load.peer_waiting if load is not None else 0
+        if len(requests.inflight) == exempt and reported <= exempt:
+            return None
+        return Progress(
+            completed=requests.completed,
+            sent={rid: leg.writer.sent_tokens for rid, leg in requests.inflight.items() if leg.writer is not None},
+            iterations=load.timing.iterations if load is not None else 0,
+            kv_usage=load.kv_usage if load is not None else None,
+        )
+
+    def stale_s(self) -> float:
+        return max(STALE_READINGS * self.health_interval_s, STALE_MIN_S)
+
+    def _known_at(self, now: float, load_at: float | None) -> float | None:
+        """Until when the engine's progress is known: its last load reading's time. While that is
+        stale (/metrics fails, hangs or repeats itself: its frozen counters are no evidence of a
+        hang), now if a leg in flight has streamed output, whose tokens tell progress themselves;
+        else None (a long non-streamed request from idle shows nothing until it ends). Until
+        2026-12-07 stale readings alone were None: a hung TensorRT-LLM executor, whose /metrics
+        answers [] for ever and whose /health says its process is alive, was never caught."""
+        if load_at is not None and now - load_at <= self.stale_s():
+            return load_at
+        requests = self._requests()
+        legs = requests.inflight.values() if requests is not None else ()
+        return now if any(leg.writer is not None and leg.writer.sent_tokens for leg in legs) else None
+
+    def _stall(self, mark: Progress, still_s: float, load: EngineLoad | None) -> None:
+        requests = self._requests()
+        log.error(
+            "engine at %s made no progress for %.0fs (%d legs in flight; it reports %s running, %s waiting): "
+            "hung: its legs end, and it is kept deregistered until it moves again",
+            self.engine_url,
+            still_s,
+            len(requests.inflight) if requests is not None else 0,
+            load.running if load is not None else "?",
+            load.waiting if load is not None else "?",
+        )
+        self.stalled = mark
