@@ -21,23 +21,30 @@ RECORD_LINES_S, with how many were held back (until 2026-12-07 the watch logged 
 put, uncapped, in every shim). A change of a key's reason held for its window's end as the watch
 ends (the shim stops) is said then by `flush`, in one line whatever RECORD_LINES_S: its timer
 said it after the stop, or never once the loop closed.
+
+`follow_routers` is the watch itself: it feeds an OrphanedLegs the routers' keys and checks their
+legs every ORPHAN_CHECK_S, for as long as the shim runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
 
-from discovery import Deleted, Put, Snapshot, WatchEvent
+from discovery import Deleted, Discovery, DiscoveryError, Put, Snapshot, WatchEvent
 from discovery.refused_records import RefusedRecords
-from protocol import RouterInfo
-from runtime import Throttle
+from discovery.watch import keep_following, read_retried
+from protocol import RouterInfo, subjects
+from runtime import Throttle, TickErrors, cancel_and_wait
 
-__all__ = ["OrphanedLegs"]
+__all__ = ["OrphanedLegs", "follow_routers"]
 
 log = logging.getLogger(__name__)
 RECORD_LINES_S = 10.0  # at most one line of refused router records this often
+ORPHAN_CHECK_S = 1.0  # how often the legs of routers gone from etcd are looked for
+ORPHAN_ERROR_SAID_S = 60.0  # a check that keeps failing with one kind of error is said at most this often
 
 
 class OrphanedLegs:
@@ -144,3 +151,46 @@ class OrphanedLegs:
         for origin in set(self._missing) - origins:
             del self._missing[origin]
         self._seen &= live | origins
+
+
+async def follow_routers(
+    discovery: Discovery, ns: str, orphans: OrphanedLegs, on_check_failed: Callable[[], None]
+) -> None:
+    """The routers' keys, and their legs here checked against them every ORPHAN_CHECK_S;
+    `on_check_failed()` for each check that raised (kvswitch_shim_task_failures_total)."""
+    prefix = subjects.routers_prefix(ns)
+
+    async def follow() -> None:
+        # etcd gone since connect is retried, said once: raised, it was a crash in keep_following,
+        # an ERROR with its traceback every 30 s for the whole outage (review of 2026-12-07).
+        may = await read_retried(
+            lambda: discovery.readable(prefix), f"watch {prefix}", errors=(DiscoveryError,), advise=True
+        )
+        if not may:
+            log.error(
+                "this worker's etcd user may not read %s: the legs of a router that dies without its drain "
+                "run on here until they end. Grant it read there (kvswitch secrets --etcd-endpoint does, "
+                "from 2026-12-06; or etcdctl role grant-permission <role> --prefix=true read %s)",
+                prefix,
+                prefix,
+            )
+            return
+        async for event in discovery.watch_routers():
+            orphans.update(event)
+
+    watch = asyncio.create_task(keep_following(follow, "the routers' watch"), name="shim-routers-watch")
+    errors = TickErrors(log, "checking the legs of routers gone from etcd", every_s=ORPHAN_ERROR_SAID_S, per_kind=True)
+    try:
+        while True:
+            await asyncio.sleep(ORPHAN_CHECK_S)
+            try:
+                orphans.check()
+            except Exception as exc:
+                # One check's bug must not end the watchdog for good (it did, without a word).
+                on_check_failed()
+                errors(exc)
+    finally:
+        try:
+            await cancel_and_wait(watch)
+        finally:  # cancelled meanwhile (the shim's stop, again): raised after
+            orphans.flush()  # a reason change held for its window's end, which no timer would say now

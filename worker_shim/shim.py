@@ -47,7 +47,6 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
-from discovery.watch import keep_following, read_retried
 from protocol import (
     Cleared,
     ConfigError,
@@ -65,7 +64,7 @@ from protocol.errors import listen_error
 from protocol.hashing import block_hashes
 from protocol.version import BUILD
 from protocol.vllm_events import RESOLVED_BY_ENGINE
-from runtime import TickErrors, background, cancel_and_wait, clipped, ended, guarded
+from runtime import background, cancel_and_wait, clipped, ended, guarded
 from runtime.nats_connect import refused_subscriptions
 from runtime.nats_flush import flush
 from runtime.nats_unsubscribe import unsubscribe
@@ -97,7 +96,7 @@ from worker_shim.metrics import render_metrics
 from worker_shim.model_config import kv_bytes_per_token
 from worker_shim.nats_connect import connect_nats
 from worker_shim.normaliser import Normaliser, NormaliserStats
-from worker_shim.orphaned_legs import OrphanedLegs
+from worker_shim.orphaned_legs import OrphanedLegs, follow_routers
 from worker_shim.rebuild_guard import RebuildGuard
 from worker_shim.request_service import RequestService, leg_cap
 from worker_shim.stall_watchdog import StallWatchdog
@@ -123,8 +122,6 @@ UNSUB_S = 10.0  # the most a worker id's close waits for its server's barrier an
 # At stop, for every id together: nc.drain comes after, and the CLI kills a shim at drain_grace_s + 30 s
 # (a frozen server held the stop 10 s per id before, one barrier per id, each up to its full timeout).
 UNSUB_STOP_S = 2.0
-ORPHAN_CHECK_S = 1.0  # how often the legs of routers gone from etcd are looked for
-ORPHAN_ERROR_SAID_S = 60.0  # a check that keeps failing with one kind of error is said at most this often
 # A session that cannot bind the events endpoint yet is said at WARNING at most this often (INFO
 # between): one a second (health_interval_s) for the minute a port stays in TIME_WAIT was 60 lines.
 BIND_PENDING_SAID_S = 60.0
@@ -1700,46 +1697,9 @@ class WorkerShim:
     # --- routers that died ----------------------------------------------------------------------
 
     async def _follow_routers(self, orphans: OrphanedLegs) -> None:
-        """The routers' keys, and their legs here checked against them every ORPHAN_CHECK_S."""
-        discovery, prefix = self._discovery, subjects.routers_prefix(self.ns)
-        assert discovery is not None
-
-        async def follow() -> None:
-            # etcd gone since connect is retried, said once: raised, it was a crash in keep_following,
-            # an ERROR with its traceback every 30 s for the whole outage (review of 2026-12-07).
-            may = await read_retried(
-                lambda: discovery.readable(prefix), f"watch {prefix}", errors=(DiscoveryError,), advise=True
-            )
-            if not may:
-                log.error(
-                    "this worker's etcd user may not read %s: the legs of a router that dies without its drain "
-                    "run on here until they end. Grant it read there (kvswitch secrets --etcd-endpoint does, "
-                    "from 2026-12-06; or etcdctl role grant-permission <role> --prefix=true read %s)",
-                    prefix,
-                    prefix,
-                )
-                return
-            async for event in discovery.watch_routers():
-                orphans.update(event)
-
-        watch = asyncio.create_task(keep_following(follow, "the routers' watch"), name="shim-routers-watch")
-        errors = TickErrors(
-            log, "checking the legs of routers gone from etcd", every_s=ORPHAN_ERROR_SAID_S, per_kind=True
-        )
-        try:
-            while True:
-                await asyncio.sleep(ORPHAN_CHECK_S)
-                try:
-                    orphans.check()
-                except Exception as exc:
-                    # One check's bug must not end the watchdog for good (it did, without a word).
-                    self.task_failures["orphan_check"] += 1
-                    errors(exc)
-        finally:
-            try:
-                await cancel_and_wait(watch)
-            finally:  # cancelled meanwhile (the shim's stop, again): raised after
-                orphans.flush()  # a reason change held for its window's end, which no timer would say now
+        """The routers' keys, and their legs here checked against them (worker_shim.orphaned_legs)."""
+        assert self._discovery is not None
+        await follow_routers(self._discovery, self.ns, orphans, lambda: self._count_task_failure("orphan_check"))
 
     # --- stop -----------------------------------------------------------------------------------
 
