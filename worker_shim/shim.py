@@ -41,7 +41,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-import msgspec
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -63,7 +62,6 @@ from protocol.config import EtcdSettings, NatsSettings
 from protocol.errors import listen_error
 from protocol.hashing import block_hashes
 from protocol.version import BUILD
-from protocol.vllm_events import RESOLVED_BY_ENGINE
 from runtime import background, cancel_and_wait, clipped, ended, guarded
 from runtime.nats_connect import refused_subscriptions
 from runtime.nats_flush import flush
@@ -80,16 +78,16 @@ from worker_shim.adapters import (
     make_adapter,
 )
 from worker_shim.adapters.base import LegRequest
-from worker_shim.adapters.zmq_bind import BindFailures, BindPending
+from worker_shim.adapters.zmq_bind import BindPending
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
-from worker_shim.config import KvEventsMode, ShimConfig
+from worker_shim.config import ShimConfig
 from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.endpoint_probe import EndpointProbe
 from worker_shim.engine_events import EngineBatch, EngineRestarted, EngineStored
 from worker_shim.etcd_episodes import CutOff, RegisterFailures, stale_key
 from worker_shim.event_health import EventProblem
+from worker_shim.event_sources import EventSources
 from worker_shim.http_server import ShimHttpServer
-from worker_shim.kv_events_config import listed_mode
 from worker_shim.kv_publisher import KvPublisher, PublisherCounters, check_payload
 from worker_shim.load_reporter import LoadReporter
 from worker_shim.metrics import render_metrics
@@ -229,15 +227,7 @@ class WorkerShim:
         self.adapters: list[str] = []
         self._adapter_paths: dict[str, str | None] = {}  # each adapter's path (its card's `root`)
         self.aliases: list[str] = []  # the other names the engine serves --model under
-        # vLLM lists `tcp://*:0` as the port it bound: read on /kv_event_sources, like no endpoints.
-        given = self.config.kv_events
-        self._discovers_events = self.config.engine == "vllm" and (
-            given is None or RESOLVED_BY_ENGINE in (given, self.config.kv_replay)
-        )
-        self._events_given, self._mode_given = given, self.config.kv_events_mode  # the operator's
-        self._listed: tuple[str, KvEventsMode] | None = None  # the listed endpoint and the side taken
-        self._listed_binds = BindFailures()  # failed binds of a listed endpoint, across sessions
-        self._topic_given = self.config.kv_events_topic  # the operator's, not a discovered one
+        self.event_sources = EventSources(self.config)  # the engine's own list of its KV event endpoints
         self.normaliser: Normaliser | None = None
         self.requests: RequestService | None = None
         self.registration: Registration | None = None
@@ -330,7 +320,7 @@ class WorkerShim:
         max_legs = leg_cap(self.config.max_inflight_legs)  # before anything opens: a refusal leaks nothing
         if (untimed := self.config.timing_warning()) is not None:
             log.warning("%s", untimed)
-        if not self._discovers_events and self.config.engine != "trtllm" and self.config.kv_replay is None:
+        if not self.event_sources.discovers and self.config.engine != "trtllm" and self.config.kv_replay is None:
             self._warn_no_replay()
         try:
             await self.http.start()
@@ -428,7 +418,7 @@ class WorkerShim:
                     if not await self._wait_healthy() or not await self._wait_progress():
                         return
                     self.limits = await self._check_limits()
-                    if self._discovers_events:  # each session: a restarted engine may publish elsewhere
+                    if self.event_sources.discovers:  # each session: a restarted engine may publish elsewhere
                         await self._discover_events()
                     self.kv_bytes_per_token = self._kv_bytes_per_token()
                     await self._session()
@@ -785,52 +775,14 @@ class WorkerShim:
 
     async def _discover_events(self) -> None:
         """Take the KV event endpoints of the rank this shim serves from the engine's own list, when
-        none were given (vLLM 0.32 lists each rank's on GET /kv_event_sources, already offset)."""
-        c = self.config
-        sources = await self.adapter.event_sources()
-        give = "give --kv-events-config as the engine was given it"
-        if sources is None:
-            raise ConfigError(
-                "kv_events", None, f"the engine at {c.engine_url} does not list its KV event endpoints "
-                f"(GET /kv_event_sources, vLLM 0.32 and later): {give}",
-            )  # fmt: skip
-        # Without a rank: the server's one engine (several were refused with the limits).
-        rank = c.data_parallel_rank if c.data_parallel_rank is not None else next(iter(sources), 0)
-        source = sources.get(rank)
-        if source is None and sources:
-            ranks = ", ".join(map(str, sorted(sources)))
-            why = f"the engine at {c.engine_url} lists KV events for data-parallel ranks {ranks}: give one of them"
-            raise ConfigError("data_parallel_rank", c.data_parallel_rank, why)
-        if source is None:
-            raise ConfigError(
-                "kv_events", None, f"the engine at {c.engine_url} publishes no KV events: start it with "
-                "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", ...}'",
-            )  # fmt: skip
-        if self._topic_given and self._topic_given != source.topic:
-            raise ConfigError(
-                "kv_events_topic",
-                self._topic_given,
-                f"the engine publishes under topic {source.topic!r}: drop the flag",
-            )
-        if self._listed is None or self._listed[0] != source.endpoint:
-            # Once per endpoint: the last session's own listener there must not read as the engine's.
-            mode = await listed_mode(
-                source.endpoint, self._events_given, self._mode_given, c.engine_url, self._listed_binds
-            )
-            self._listed = (source.endpoint, mode)
-        self.config = msgspec.structs.replace(
-            c,
-            kv_events=source.endpoint,
-            kv_events_mode=self._listed[1],
-            kv_replay=source.replay_endpoint,
-            kv_events_topic=source.topic,
-        )
-        self.adapter.config = self.config
-        if source.replay_endpoint is None:
+        none were given (worker_shim.event_sources)."""
+        self.config, rank = await self.event_sources.take(self.adapter, self.config)
+        c = self.adapter.config = self.config
+        if c.kv_replay is None:
             self._warn_no_replay()
         log.info(
             "KV events of rank %d from the engine's /kv_event_sources: %s (%s), replay %s, topic %r",
-            rank, source.endpoint, self._listed[1], source.replay_endpoint, source.topic,
+            rank, c.kv_events, c.kv_events_mode, c.kv_replay, c.kv_events_topic,
         )  # fmt: skip
 
     def _take_served_names(self, cards: dict[str, ModelCard] | None) -> bool:
