@@ -604,6 +604,38 @@ def test_a_signal_during_the_flag_checks_stops_up_and_leaves_no_secret_behind(
             proc.wait()
 
 
+def test_up_started_with_the_stop_signals_blocked_stops_on_sigterm(tmp_path: Path) -> None:
+    """A parent may pass its children a mask with SIGTERM blocked: run_service lets the stop signals
+    through once it handles them, and up re-applied its starting mask after that (review of
+    5cc64ab): SIGTERM stayed blocked and up ran on."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # the child inherits it
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvswitch", "up", "--agg", "1", "--routers", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )  # fmt: skip
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    try:
+        assert proc.stdout is not None
+        out = ""
+        while "health:" not in out:
+            line = proc.stdout.readline()
+            assert line, f"kvswitch up exited: {out}{proc.communicate(timeout=30)[1]}"
+            out += line
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        blocked = int(next(row.split()[1] for row in status.splitlines() if row.startswith("SigBlk:")), 16)
+        assert not blocked & (1 << (signal.SIGTERM - 1)), "SIGTERM blocked while up serves"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "kvswitch up: stopped" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_killed_up_takes_its_children_down(tmp_path: Path) -> None:
     # Its children run in sessions of their own (a Ctrl-C is for up alone): PR_SET_PDEATHSIG, not
     # the process group, is what takes them down when up is killed outright.
