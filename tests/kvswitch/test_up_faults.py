@@ -159,7 +159,9 @@ def test_a_busy_port_is_refused_before_anything_starts_naming_its_flag(
         port = held.getsockname()[1]
         start = port - first
         monkeypatch.setattr(kvswitch.up, "LocalCluster", lambda spec: pytest.fail("a cluster was started"))
-        assert kvswitch.up.run(_up_args(["--agg", "1", flag, str(start), *extra])) == 2  # a flag refused
+        # the router's default 8080 may be another's (a developer's own up): only the port under test is held
+        http = [] if flag == "--http-port" else ["--http-port", "0"]
+        assert kvswitch.up.run(_up_args(["--agg", "1", flag, str(start), *http, *extra])) == 2  # a flag refused
         said = capsys.readouterr().err
         assert re.search(
             rf"{flag} {start}: {what} cannot listen on 127.0.0.1:{port} .*choose another {flag}, or 0", said
@@ -352,7 +354,18 @@ def test_flags_whose_ports_overlap_are_refused_before_anything_starts_naming_bot
 
 def test_ports_side_by_side_do_not_overlap() -> None:
     port = free_ports(4)
-    argv = ["--agg", "1", "--nats-nodes", "3", "--nats-port", str(port), "--etcd-port", str(port + 3)]
+    argv = [
+        "--agg",
+        "1",
+        "--nats-nodes",
+        "3",
+        "--nats-port",
+        str(port),
+        "--etcd-port",
+        str(port + 3),
+        "--http-port",
+        "0",
+    ]
     _check_ports(_spec(_up_args(argv)))
 
 
