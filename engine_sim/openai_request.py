@@ -43,9 +43,15 @@ from protocol.vllm_errors import (
     validation_message,
     validation_param,
 )
+from protocol.vllm_validators import (
+    CONTINUE_AND_GENERATE,
+    ValidatorError,
+    check_chat_body,
+    check_completion_body,
+    default_tool_choice,
+)
 
 __all__ = [
-    "CONTINUE_AND_GENERATE",
     "ChatRequest",
     "CompletionRequest",
     "DetokenizeRequest",
@@ -71,12 +77,7 @@ _DEFAULT_MAX_TOKENS = 16  # CompletionRequest.max_tokens's default, which a null
 _MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
 _MAX_TOKEN_ID = 2**63 - 1  # DetokenizeRequest.tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]
 _MAX_STOP_STRINGS = 4  # vLLM's VLLM_MAX_STOP_STRINGS default: the body's `stop` list may hold this many
-_MAX_PROMPTS = 1024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS default
-_MAX_CACHE_SALT_CHARS = 128
-_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 _warned: set[str] = set()
-# vLLM's validator, for both set in the body
-CONTINUE_AND_GENERATE = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
 # transformers' apply_chat_template, for continue_final_message with add_generation_prompt by default
 _CONTINUE_AND_GENERATE_TEMPLATE = (
     "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message when you "
@@ -273,7 +274,10 @@ def parse_body(raw: bytes, kind: type[T]) -> T:
         _warned.update(unknown)
         log.warning("The following fields were present in the request but ignored: %s", set(unknown))
     if (before := _BEFORE_VALIDATORS.get(kind)) is not None:
-        before(obj)
+        try:
+            before(obj)
+        except ValidatorError as exc:
+            raise SimRequestError(exc.message, param=exc.param) from exc
     try:
         return msgspec.convert(_lax_fields(obj, kind), kind, strict=False)
     except (msgspec.ValidationError, _Unreadable) as exc:
@@ -610,144 +614,6 @@ def _check_engine_prompt(ids: list[int]) -> None:
         raise VllmValidationError(f"Token id {high} is out of vocabulary")
 
 
-def _completion_validators(data: dict[str, Any]) -> None:
-    """CompletionRequest's `mode="before"` validators on the raw body, last-defined first."""
-    prompt, embeds = data.get("prompt"), data.get("prompt_embeds")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > _MAX_PROMPTS:
-        raise VllmValidationError(
-            f"prompt list length {len(prompt)} exceeds the maximum allowed count of {_MAX_PROMPTS}. To increase "
-            "this limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable.",
-            parameter="prompt",
-        )
-    if isinstance(embeds, list) and len(embeds) > _MAX_PROMPTS:
-        raise VllmValidationError(
-            f"prompt_embeds list length {len(embeds)} exceeds the maximum allowed count of {_MAX_PROMPTS}. To "
-            "increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable.",
-            parameter="prompt_embeds",
-        )
-    if (prompt is None or prompt == "") and (embeds is None or embeds == []):
-        raise VllmValidationError("Either prompt or prompt_embeds must be provided and non-empty.", parameter="prompt")
-    _check_stream_options(data)
-    _check_logprobs(data, "logprobs")
-    _check_structured_outputs(data, parameter="structured_outputs")
-    _check_response_format(data)
-    _check_cache_salt(data.get("cache_salt"))
-
-
-def _default_tool_choice(tools: Any) -> str:
-    """check_tool_usage's tool_choice when the body gives none: "auto" with tools, else "none"."""
-    return "auto" if tools else "none"
-
-
-def _chat_validators(data: dict[str, Any]) -> None:
-    """ChatCompletionRequest's `mode="before"` validators on the raw body, last-defined first."""
-    if data.get("continue_final_message") and data.get("add_generation_prompt"):
-        raise VllmValidationError(CONTINUE_AND_GENERATE)
-    _check_tool_usage(data)
-    _check_structured_outputs(data, parameter=None)
-    choice = data.get("tool_choice", _default_tool_choice(data.get("tools")))
-    if _structured_count(data) and choice not in ("none", "auto", "required"):
-        raise VllmValidationError("You can only either use constraints for structured outputs or tools, not both.")
-    _check_logprobs(data, "top_logprobs")
-    _check_stream_options(data)
-    _check_response_format(data)
-    _check_cache_salt(data.get("cache_salt"))
-
-
-def _check_stream_options(data: dict[str, Any]) -> None:
-    # the raw values' truthiness: `{}`, or `"stream": "false"` (truthy text, read as False), pass
-    if data.get("stream_options") and not data.get("stream"):
-        raise VllmValidationError("Stream options can only be defined when `stream=True`.", parameter="stream_options")
-
-
-def _check_logprobs(data: dict[str, Any], top: str) -> None:
-    """vLLM's check_logprobs validator; `top` is the field of sample logprobs (completions:
-    `logprobs`, an integer; chat: `top_logprobs`, beside the boolean `logprobs`)."""
-    chat = top == "top_logprobs"
-    token_ids, beam = data.get("logprob_token_ids"), data.get("use_beam_search")
-    if token_ids and beam:
-        raise VllmValidationError(
-            "`logprob_token_ids` is not supported with beam search.", parameter="logprob_token_ids"
-        )
-    if not chat and beam and data.get("echo") and data.get("logprobs") is not None:
-        raise VllmValidationError(
-            "`echo` with `logprobs` is not supported with beam search because beam search does not compute "
-            "prompt logprobs.",
-            parameter="echo",
-        )
-    if not chat and token_ids and data.get("echo") and data.get("max_tokens") == 0:
-        raise VllmValidationError(
-            "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no output tokens "
-            "are generated.",
-            parameter="logprob_token_ids",
-        )
-    if token_ids and (not data.get("logprobs") if chat else data.get("logprobs") is None):
-        must = "must be set to true." if chat else "must be set."
-        raise VllmValidationError(f"when using `logprob_token_ids`, `logprobs` {must}", parameter="logprob_token_ids")
-    for name in ("prompt_logprobs", top):
-        value = data.get(name)
-        if value is not None and not isinstance(value, int | float):
-            raise VllmValidationError(f"`{name}` must be an integer.", parameter=name, value=value)
-    pl = data.get("prompt_logprobs")
-    if pl is not None:
-        if data.get("stream") and (pl > 0 or pl == -1):
-            raise VllmValidationError(
-                "`prompt_logprobs` are not available when `stream=True`.", parameter="prompt_logprobs"
-            )
-        if pl < 0 and pl != -1:
-            raise VllmValidationError(
-                "`prompt_logprobs` must be a positive value or -1.", parameter="prompt_logprobs", value=pl
-            )
-    k = data.get(top)
-    if k is not None:
-        if k < 0 and k != -1:
-            raise VllmValidationError(f"`{top}` must be a positive value or -1.", parameter=top, value=k)
-        if chat and (k == -1 or k > 0) and not data.get("logprobs"):
-            raise VllmValidationError(
-                "when using `top_logprobs`, `logprobs` must be set to true.", parameter="top_logprobs"
-            )
-
-
-def _structured_count(data: dict[str, Any]) -> int:
-    outputs = data.get("structured_outputs")
-    if not isinstance(outputs, dict):
-        return 0
-    return sum(outputs.get(k) is not None for k in ("json", "regex", "choice"))
-
-
-def _check_structured_outputs(data: dict[str, Any], *, parameter: str | None) -> None:
-    """check_structured_outputs_count: one kind of constraint (chat's refusal names no parameter)."""
-    if _structured_count(data) > 1:
-        raise VllmValidationError(
-            "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice').",
-            parameter=parameter,
-        )
-
-
-def _check_response_format(data: dict[str, Any]) -> None:
-    fmt = data.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and fmt.get("json_schema") is None:
-        raise VllmValidationError(
-            "When response_format type is 'json_schema', the 'json_schema' field must be provided.",
-            parameter="response_format",
-        )
-
-
-def _check_cache_salt(salt: Any) -> None:
-    """vLLM's validate_cache_salt."""
-    if salt is None:
-        return
-    if not isinstance(salt, str) or not salt:
-        raise VllmValidationError(
-            "Parameter 'cache_salt' must be a non-empty string if provided.", parameter="cache_salt"
-        )
-    if len(salt) > _MAX_CACHE_SALT_CHARS or any(c in _CACHE_SALT_FORBIDDEN for c in salt):
-        raise VllmValidationError(
-            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL.",
-            parameter="cache_salt",
-        )
-
-
 def _tokenize_validators(data: dict[str, Any]) -> None:
     """vLLM's /tokenize body is TokenizeCompletionRequest | TokenizeChatRequest: one with neither
     a text `prompt` nor `messages` fails both, each naming its own required field."""
@@ -761,8 +627,8 @@ def _tokenize_validators(data: dict[str, Any]) -> None:
 
 
 _BEFORE_VALIDATORS: dict[type, Callable[[dict[str, Any]], None]] = {
-    CompletionRequest: _completion_validators,
-    ChatRequest: _chat_validators,
+    CompletionRequest: check_completion_body,
+    ChatRequest: check_chat_body,
     TokenizeRequest: _tokenize_validators,
 }
 
@@ -875,48 +741,6 @@ _FIELD_CHECKS: dict[str, Callable[[Any], list[dict[str, Any]]]] = {
     "tools": _tools_errors,
     "stop": _stop_errors,
 }
-
-
-def _check_tool_usage(data: dict[str, Any]) -> None:
-    """vLLM's check_tool_usage validator, on the raw body."""
-    tools, choice = data.get("tools"), data.get("tool_choice", msgspec.UNSET)
-    if tools == []:
-        raise VllmValidationError(
-            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
-            parameter="tools",
-        )
-    if choice is msgspec.UNSET or choice in ("none", None):
-        return
-    if tools is None:
-        raise VllmValidationError("When using `tool_choice`, `tools` must be set.", parameter="tool_choice")
-    if not isinstance(choice, dict):
-        if choice not in ("auto", "required"):
-            raise VllmValidationError(
-                f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" '
-                "are supported.",
-                parameter="tool_choice",
-            )
-        return
-    usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
-    function = choice.get("function")
-    if not isinstance(function, dict):
-        raise VllmValidationError(
-            f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}", parameter="tool_choice.function"
-        )
-    if "name" not in function:
-        raise VllmValidationError(
-            f"Expected field `name` in `function` in `tool_choice`! {usage}", parameter="tool_choice.function.name"
-        )
-    name = function["name"]
-    if not isinstance(name, str) or not name:
-        raise VllmValidationError(
-            f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}", parameter="tool_choice.function.name"
-        )
-    named = (t.get("function") for t in tools if isinstance(t, dict)) if isinstance(tools, list) else ()
-    if not any(isinstance(f, dict) and f.get("name") == name for f in named):
-        raise VllmValidationError(
-            "The tool specified in `tool_choice` does not match any of the specified `tools`", parameter="tool_choice"
-        )
 
 
 def _check_tool_parser(choice: Any, tool_parsing: bool) -> None:
@@ -1096,7 +920,7 @@ def chat_call(body: ChatRequest, max_model_len: int, *, model: str, tool_parsing
     served model's (first) name, which names it in vLLM's refusal of media. `tool_parsing`: the
     server runs a tool parser (vLLM's --enable-auto-tool-choice)."""
     add_generation_prompt = check_generation_prompt(body.add_generation_prompt, body.continue_final_message)
-    tool_choice = _default_tool_choice(body.tools) if body.tool_choice is msgspec.UNSET else body.tool_choice
+    tool_choice = default_tool_choice(body.tools) if body.tool_choice is msgspec.UNSET else body.tool_choice
     top = body.top_logprobs
     _check_body(body)
     _refuse_logprob_token_ids(body)

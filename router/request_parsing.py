@@ -2,11 +2,12 @@
 as vLLM 0.32's pydantic models read them (ApiError 400 naming the parameter), the fields only the
 router may set, refused, and the prompt's token ids as the engine computes them (`prompt_ids`).
 
-The router validates only the fields it reads, refuses the ones only it may set
+The router runs vLLM's model validators of the raw body first, as vLLM does
+(protocol.vllm_validators), validates only the fields it reads, refuses the ones only it may set
 (`kv_transfer_params`, `disaggregated_params`, the bootstrap triple, `ec_transfer_params`, and the
-transfer handles in `vllm_xargs`; a null, which the engines read as unset, is no handle: taken),
-and passes everything else on. So stop strings, `n`, `echo`, logprobs, penalties, tools,
-`response_format`, usage details and the engine's own 400s are the engine's.
+transfer handles in `vllm_xargs`; a null, which the engines read as unset, is no handle: taken)
+last, and passes everything else on. So stop strings, `n`, `echo`, logprobs, penalties, tools,
+`response_format`, usage details and the engine's other 400s are the engine's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import msgspec
 from protocol import asks_prompt_logprobs, lax_bool
 from protocol.messages import lax_int
 from protocol.vllm_errors import struct_errors, type_errors
+from protocol.vllm_validators import ValidatorError, check_chat_body, check_completion_body
 from router.api_errors import ApiError, validation_failed
 from router.request_context import RequestShape
 from router.tokenization import ChatOptions, Tokenization, TokenizerError, UntrustedTemplate
@@ -105,6 +107,8 @@ class _CompletionFields(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None
     add_special_tokens: bool = True
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
     annotations: list[str] | None = None
 
 
@@ -128,6 +132,8 @@ class _ChatFields(msgspec.Struct, kw_only=True):
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
     annotations: list[str] | None = None
 
 
@@ -204,7 +210,6 @@ def _in_range(batch: list[list[int]]) -> list[list[int]]:
 # engine_sim's for a prompt of no form vLLM takes
 _EMPTY_PROMPT = "The decoder prompt cannot be empty"
 _NO_PROMPTS = "You must pass at least one prompt"
-_NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
 _NOT_A_PROMPT = "prompt must be a string, a list of token ids, or a list of strings or token-id lists"
 
 
@@ -212,9 +217,7 @@ def _prompts(raw: Any) -> list[str | list[int]]:
     """vLLM's prompt forms: a string, token ids, or a non-empty list of strings or of token-id
     lists, picked as its pydantic union picks: all strings are texts (["1", "2"] too), all lists
     are id lists, lists among other things are refused (vLLM 0.32 too), and anything else is one
-    prompt of ids ([1, "2"] is [1, 2])."""
-    if raw is None or raw == "":  # vLLM's validator refuses it before rendering (a BOS alone would be served)
-        raise ApiError(400, _NO_PROMPT, "prompt")
+    prompt of ids ([1, "2"] is [1, 2]). A missing or empty one vLLM's validator refused already."""
     if isinstance(raw, str):
         return [raw]
     if raw == []:
@@ -294,11 +297,9 @@ _RENDER_ARGS = frozenset({"add_generation_prompt", "continue_final_message", "ch
 _UNSET = (None, "auto")  # vLLM's merge_kwargs skips these values
 
 
-def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
-    """Validate what the router reads of an OpenAI request body; ApiError(400) naming the
-    parameter for anything wrong. Everything else goes to the engine unread."""
-    if not isinstance(body, dict):
-        raise ApiError(400, NOT_AN_OBJECT)
+def _refuse_router_only(body: Mapping[str, Any]) -> None:
+    """The fields only the router may set. Checked after everything vLLM checks of the body here,
+    as the engine accepts them: a body it would refuse anyway gets its refusal."""
     for name in _ROUTER_ONLY:
         if not _names_nothing(name, body.get(name)):
             raise ApiError(400, f"'{name}' is set by the router, not by clients", name)
@@ -316,6 +317,17 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
             "eviction",
             "vllm_xargs",
         )
+
+
+def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
+    """Validate what the router reads of an OpenAI request body; ApiError(400) naming the
+    parameter for anything wrong. Everything else goes to the engine unread."""
+    if not isinstance(body, dict):
+        raise ApiError(400, NOT_AN_OBJECT)
+    try:  # vLLM's model validators read the raw body before any field is typed
+        (check_chat_body if chat else check_completion_body)(body)
+    except ValidatorError as exc:
+        raise ApiError(400, exc.message, exc.param) from exc
     _check_fields(body, chat)
     _check_ints(body)
     messages = options = None
@@ -337,6 +349,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
                 "prompt_embeds",
             )
         prompts = _prompts(body.get("prompt"))
+    _refuse_router_only(body)
     max_tokens = typed_field(body, "max_completion_tokens", int, None) if chat else None
     max_tokens = max_tokens if max_tokens is not None else typed_field(body, "max_tokens", int, None)
     n = typed_field(body, "n", int, 1)

@@ -118,6 +118,20 @@ _VALIDATION: list[tuple[str, Any]] = [
     ("/v1/completions", {**_OK, "prompt": [1, -2]}),
     ("/v1/completions", {**_OK, "prompt": [1, 2**32]}),
     ("/v1/completions", {**_OK, "prompt": [[1, 2**33], [3, -2]]}),
+    # vLLM's model validators read the raw body before its fields are typed: theirs is the 400
+    ("/v1/completions", {"model": MODEL, "max_tokens": "x"}),
+    ("/v1/completions", {**_OK, "prompt": "", "n": "x"}),
+    ("/v1/completions", {**_OK, "stream_options": {"include_usage": True}, "n": "x"}),
+    ("/v1/completions", {**_OK, "stream_options": "x"}),
+    ("/v1/completions", {**_OK, "cache_salt": "", "max_tokens": "x"}),
+    ("/v1/chat/completions", {**_CHAT, "tools": [], "n": "x"}),
+    ("/v1/chat/completions", {**_CHAT, "continue_final_message": True, "add_generation_prompt": True, "n": "x"}),
+    ("/v1/chat/completions", {**_CHAT, "stream_options": "x"}),
+    # what only the router may set, refused only where the engine would take the body
+    ("/v1/completions", {**_OK, "kv_transfer_params": {"remote_host": "10.0.0.1"}, "n": "x"}),
+    ("/v1/completions", {**_OK, "kv_transfer_params": "x"}),
+    ("/v1/completions", {**_OK, "vllm_xargs": "x"}),
+    ("/v1/completions", {"model": MODEL, "kv_transfer_params": {"remote_host": "10.0.0.1"}}),
 ]
 
 

@@ -20,7 +20,6 @@ MESSAGES = [{"role": "user", "content": "tell me a story about the sea " * 40}]
 REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("completions", {"max_tokens": 5, "min_tokens": 10}),
     ("completions", {"min_tokens": 17}),  # past vLLM's 16 when no max_tokens is given
-    ("completions", {"max_tokens": 5, "stream_options": {"include_usage": True}}),  # no stream
     ("completions", {"max_tokens": 5, "n": 0}),
     ("completions", {"max_tokens": 10**6}),  # past max_model_len
     ("chat/completions", {"max_completion_tokens": 4, "min_tokens": 5}),
@@ -57,6 +56,29 @@ async def test_a_request_its_engine_refuses_costs_no_remote_prefill(
     fallbacks = {s.labels["cause"]: s.value for s in families["kvswitch_router_fallbacks"].samples}
     decisions = {s.labels["outcome"]: s.value for s in families["kvswitch_router_decisions"].samples}
     assert (fallbacks["prefill_refused"], decisions) == (0.0, {"remote_prefill": 1.0}), (fallbacks, decisions)
+
+
+async def test_a_body_vllms_validators_refuse_is_refused_before_it_is_routed(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """`stream_options` without `stream` (which the prefill leg drops): vLLM's model validator
+    refuses it before anything else; the router runs it too, so it routes nothing, not even a
+    decision, and answers in the engine's words (until 2026-12-07 both legs were sent)."""
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    body = {"model": MODEL, "prompt": list(range(1000, 4000)), "max_tokens": 5,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    computed = p.sim.engine.stats.prefill_tokens_computed
+    async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+        routed = (resp.status, await resp.json())
+    async with http.post(f"{d.sim.url}/v1/completions", json=body) as resp:
+        own = (resp.status, await resp.json())
+    assert routed == own and own[0] == 400, (routed, own)
+    assert p.sim.engine.stats.prefill_tokens_computed == computed
+    async with http.get(f"{router.url}/metrics") as resp:
+        families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+    assert {s.labels["outcome"]: s.value for s in families["kvswitch_router_decisions"].samples} == {}
 
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}]
