@@ -94,6 +94,7 @@ from router.planner import PlanError
 from router.request_parsing import (
     NOT_AN_OBJECT,
     ParsedRequest,
+    check_hashable,
     header_priority,
     is_text,
     parse_request,
@@ -539,7 +540,14 @@ class _Handlers:
     async def _tokens(self, parsed: ParsedRequest, model: str) -> tuple[list[int], list[list[int]]]:
         # The model's context is looked up (a pass over its workers) only for a truncation to it.
         limit = self.path.max_model_len(model) if parsed.truncate_to_context is not None else None
-        return await prompt_ids(self.tokenization, parsed, limit)
+        routed, prompts = await prompt_ids(self.tokenization, parsed, limit)
+        if not is_text(parsed):  # ids past u32, refused as truncated and after vLLM's length check
+            try:
+                check_hashable(prompts)
+            except ApiError:
+                self._over_context(parsed, model, prompts)
+                raise
+        return routed, prompts
 
     def _leg(self, parsed: ParsedRequest, ids: _Ids, model: str, routed: list[int], prompts: list[list[int]],
              headers: Mapping[str, str]) -> GenerateRequest:  # fmt: skip

@@ -26,8 +26,8 @@ from router.api_errors import ApiError, validation_failed
 from router.request_context import RequestShape
 from router.tokenization import ChatOptions, Tokenization, TokenizerError, UntrustedTemplate
 
-__all__ = ["NOT_AN_OBJECT", "ParsedRequest", "StreamOptions", "header_priority", "is_text", "keep_specials_truncated",
-           "parse_request", "prompt_ids", "typed_field"]  # fmt: skip
+__all__ = ["NOT_AN_OBJECT", "ParsedRequest", "StreamOptions", "check_hashable", "header_priority", "is_text",
+           "keep_specials_truncated", "parse_request", "prompt_ids", "typed_field"]  # fmt: skip
 
 # Set by the router for the engine, never by a client: transfer handles name hosts the engine
 # would pull KV from. A null is none: vLLM 0.32 (like TensorRT-LLM and SGLang) reads it as unset
@@ -180,8 +180,8 @@ def _valid_ids(raw: list[Any]) -> list[int] | None:
 
 def _token_ids(raw: list[Any]) -> list[int]:
     """`raw` as token ids, read as vLLM's pydantic model reads them: 2.0, "2" and true are ids too
-    (lax_int), one by one in Python only when the strict reading in C fails. Any size: _in_range
-    judges them."""
+    (lax_int), one by one in Python only when the strict reading in C fails. Any size: _not_negative
+    and check_hashable judge them."""
     ids = _valid_ids(raw)
     if ids is not None:
         return ids
@@ -193,17 +193,23 @@ def _token_ids(raw: list[Any]) -> list[int]:
     return ids
 
 
-def _in_range(batch: list[list[int]]) -> list[list[int]]:
-    """`batch`, refused as vLLM refuses what the router cannot hash (ids are u32 there): an id
-    below 0 by its model (`ge=0`, its first, named), else an id past the vocabulary by its engine
-    (a prompt's highest, naming no parameter), 2^32 and beyond being past any vocabulary."""
+def _not_negative(batch: list[list[int]]) -> list[list[int]]:
+    """`batch`, refused as vLLM's model refuses an id below 0 (`ge=0`, its first, named). One past
+    the vocabulary is its engine's, after truncation: check_hashable."""
     negative = next((t for ids in batch for t in ids if t < 0), None)
     if negative is not None:
         raise ApiError(400, f"Token id {negative} is out of vocabulary (parameter=prompt)", "prompt")
-    for ids in batch:
+    return batch
+
+
+def check_hashable(prompts: list[list[int]]) -> None:
+    """Refuses prompts (as truncated) the router cannot hash (ids are u32 there) as vLLM's engine
+    refuses an id past the vocabulary, 2^32 and beyond being past any: the first such prompt's
+    highest id, naming no parameter. vLLM says it after its length check and its checks of the
+    sampling parameters; the caller makes the length check first."""
+    for ids in prompts:
         if (high := max(ids, default=0)) >= _TOKEN_ID_LIMIT:
             raise ApiError(400, f"Token id {high} is out of vocabulary")
-    return batch
 
 
 # vLLM's words (its InputProcessor's, naming no parameter; its renderer's; its validator's) and
@@ -232,10 +238,10 @@ def _prompts(raw: Any) -> list[str | list[int]]:
             batch = [_token_ids(item) for item in raw]
             if not all(batch):
                 raise ApiError(400, _EMPTY_PROMPT)
-            return list(_in_range(batch))
+            return list(_not_negative(batch))
         if any(isinstance(item, list) for item in raw):  # ["text", [6, 7, 8]]
             raise ApiError(400, "a batch of prompts must be all strings or all token-id lists", "prompt")
-        return list(_in_range([_token_ids(raw)]))
+        return list(_not_negative([_token_ids(raw)]))
     raise ApiError(400, _NOT_A_PROMPT, "prompt")
 
 

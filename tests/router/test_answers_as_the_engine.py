@@ -118,6 +118,9 @@ _VALIDATION: list[tuple[str, Any]] = [
     ("/v1/completions", {**_OK, "prompt": [1, -2]}),
     ("/v1/completions", {**_OK, "prompt": [1, 2**32]}),
     ("/v1/completions", {**_OK, "prompt": [[1, 2**33], [3, -2]]}),
+    # an id the router cannot hash (2^32 or more) in a prompt past the context: vLLM's length check first
+    ("/v1/completions", {**_OK, "prompt": [2**32, *range(10, 210)]}),
+    ("/v1/completions", {**_OK, "prompt": [[5, 6], [2**32, *range(10, 210)]]}),
     # vLLM's model validators read the raw body before its fields are typed: theirs is the 400
     ("/v1/completions", {"model": MODEL, "max_tokens": "x"}),
     ("/v1/completions", {**_OK, "prompt": "", "n": "x"}),
@@ -147,6 +150,21 @@ async def test_the_routers_own_400s_are_the_engines_to_the_byte(
         routed = await post(http, router.url + path, body)
         assert routed[0] == direct[0] == 400, (path, body, routed[1], direct[1])
         assert routed[1] == direct[1], (path, body)
+
+
+async def test_an_id_the_router_cannot_hash_is_served_when_the_truncation_cuts_it(
+    one_model: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """vLLM truncates a prompt before its engine judges the ids: the router refused an id of 2^32
+    or more as it read the body, so such a request the engine serves was a 400."""
+    router, sim = one_model.routers[0], one_model.workers[0].sim
+    for prompt in ([2**32, 5, 6], [[2**33, 5, 6], [7, 8, 9]]):
+        body = {**_OK, "prompt": prompt, "truncate_prompt_tokens": 2}
+        direct = await post(http, sim.url + "/v1/completions", body)
+        routed = await post(http, router.url + "/v1/completions", body)
+        assert routed[0] == direct[0] == 200, (prompt, routed[1], direct[1])
+        assert routed[1]["usage"] == direct[1]["usage"], prompt
+        assert routed[1]["usage"]["prompt_tokens"] == 2 * len(routed[1]["choices"]), prompt
 
 
 _NO_MODEL: list[tuple[str, dict[str, Any]]] = [

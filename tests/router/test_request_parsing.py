@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from protocol import asks_prompt_logprobs
 from router.api_errors import ApiError
 from router.request_context import RequestShape
-from router.request_parsing import keep_specials_truncated, parse_request, prompt_ids
+from router.request_parsing import check_hashable, keep_specials_truncated, parse_request, prompt_ids
 from router.tokenization import HfPromptTokenizer, Tokenization, load_tokenizer
 from tests.vllm.make_model import build_tokenizer
 
@@ -37,12 +37,9 @@ _NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (pa
 @pytest.mark.parametrize(
     ("prompt", "message", "param"),
     [
-        # vLLM's (engine_sim's) words: an id below 0 its model's, named, an id past the
-        # vocabulary its engine's (the prompt's highest), naming no parameter
+        # vLLM's (engine_sim's) words: an id below 0 its model's, named
         ([1, -1], "Token id -1 is out of vocabulary (parameter=prompt)", "prompt"),
         ([[1, 2**33], [3, -2]], "Token id -2 is out of vocabulary (parameter=prompt)", "prompt"),
-        ([1, 2**32, 2**33, 5], "Token id 8589934592 is out of vocabulary", None),
-        ([[1, 2], [3, 2**40]], "Token id 1099511627776 is out of vocabulary", None),
         ([1, 2.5], "prompt must be a string, a list of token ids, or a list of strings or token-id lists", "prompt"),
         # vLLM 0.32 refuses a batch mixing texts and id lists (tests/router/test_request_fidelity.py)
         (["a", [7, -4]], _MIXED, "prompt"),
@@ -57,6 +54,36 @@ def test_bad_prompts_are_400_in_vllms_words(prompt: Any, message: str, param: st
     with pytest.raises(ApiError) as err:
         parse_request({"prompt": prompt}, chat=False)
     assert (err.value.code, err.value.param, err.value.message) == (400, param, message)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        # its engine's words for an id past the vocabulary: the prompt's highest, naming no parameter
+        ({"prompt": [1, 2**32, 2**33, 5]}, "Token id 8589934592 is out of vocabulary"),
+        ({"prompt": [[1, 2], [3, 2**40]]}, "Token id 1099511627776 is out of vocabulary"),
+        ({"prompt": [2**32, 5, 6], "truncate_prompt_tokens": 3}, "Token id 4294967296 is out of vocabulary"),
+        # cut by the truncation, as vLLM truncates before its engine looks: served
+        ({"prompt": [2**32, 5, 6], "truncate_prompt_tokens": 2}, None),
+        ({"prompt": [[2**32, 5, 6], [7, 8]], "truncate_prompt_tokens": 2}, None),
+        ({"prompt": [5, 6, 2**40], "truncate_prompt_tokens": 2, "truncation_side": "right"}, None),
+    ],
+)
+async def test_an_id_the_router_cannot_hash_is_judged_as_truncated(body: dict[str, Any], message: str | None) -> None:
+    """An id of 2^32 or more was refused as the body was read, so a truncation that cut it was
+    never served (vLLM serves it)."""
+    parsed = parse_request(body, chat=False)
+    tok = Tokenization(load_tokenizer(None))
+    try:
+        _, prompts = await prompt_ids(tok, parsed)
+    finally:
+        tok.close()
+    if message is None:
+        check_hashable(prompts)
+        return
+    with pytest.raises(ApiError) as err:
+        check_hashable(prompts)
+    assert (err.value.code, err.value.param, err.value.message) == (400, None, message)
 
 
 def test_a_long_id_prompt_is_returned_as_sent() -> None:
