@@ -287,11 +287,12 @@ def _chat_options(body: Mapping[str, Any]) -> ChatOptions:
     )
 
 
-def _request_template(body: Mapping[str, Any], kwargs: Mapping[str, Any]) -> str | None:
+def _request_template(body: Mapping[str, Any], kwargs: Mapping[str, Any]) -> Any:
     """The client's own chat template: vLLM takes one in chat_template_kwargs as the request's too,
-    and refuses it alike. Both given would leave one unused: refused rather than one dropped."""
+    and refuses it alike, whatever its type (the kwargs' values are untyped: `Any`). Both given
+    would leave one unused: refused rather than one dropped."""
     own: str | None = typed_field(body, "chat_template", str, None)
-    in_kwargs: str | None = typed_field(kwargs, "chat_template", str, None, at="body.chat_template_kwargs")
+    in_kwargs = kwargs.get("chat_template")
     if own is not None and in_kwargs is not None:
         raise ApiError(400, "give the chat template once: 'chat_template' or 'chat_template_kwargs'", "chat_template")
     return own if own is not None else in_kwargs
@@ -458,8 +459,8 @@ async def prompt_ids(
                 if truncate is not None:
                     ids = _truncated(ids, *truncate)
             prompts.append(ids)
-    except UntrustedTemplate as exc:
-        raise ApiError(400, exc.why, "chat_template") from exc
+    except UntrustedTemplate as exc:  # vLLM's refusal names no parameter
+        raise ApiError(400, exc.why) from exc
     except TokenizerError as exc:
         raise ApiError(400, str(exc), _param_of(exc, parsed)) from exc
     if not prompts[0]:
@@ -470,11 +471,11 @@ async def prompt_ids(
 def _param_of(exc: TokenizerError, parsed: ParsedRequest) -> str:
     """The field the client sent what a rendering error is about: transformers' checks of `tools`
     and `documents` from chat_template_kwargs (only those reach the template unchecked: the
-    top-level ones are checked as vLLM's model checks them), else the messages (or the prompt)
-    the template renders."""
+    top-level ones are checked as vLLM's model checks them) and a template there that is no
+    string, else the messages (or the prompt) the template renders."""
     if not parsed.chat:
         return "prompt"
-    if exc.what in ("tools", "documents"):
+    if exc.what in ("tools", "documents", "chat_template_kwargs"):
         return "chat_template_kwargs"
     return "messages"
 

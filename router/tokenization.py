@@ -119,7 +119,8 @@ class ChatOptions:
     # `tools` from chat_template_kwargs: vLLM renders these as sent, in place of `tools`
     raw_tools: Any = None
     documents: Any = None
-    chat_template: str | None = None
+    # the client's own: a string, or whatever chat_template_kwargs held (refused as vLLM refuses it)
+    chat_template: Any = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_special_tokens: bool = False
 
@@ -612,8 +613,7 @@ class UntrustedTemplate(TokenizerError):
         super().__init__(
             "chat_template",
             "Chat template is passed with request, but --trust-request-chat-template is not set. Refused request "
-            "with untrusted chat template. (The router renders it to route; start the router, and the engines, "
-            "with --trust-request-chat-template to accept clients' templates.)",
+            "with untrusted chat template.",  # vLLM's words (docs/router.md says what to start with the flag)
         )
 
 
@@ -655,6 +655,8 @@ class Tokenization:
     async def encode_chat(self, messages: Messages, options: ChatOptions) -> list[int]:
         if options.chat_template is not None and not self.trust_request_template:
             raise UntrustedTemplate
+        if not isinstance(options.chat_template, str | None):  # one in chat_template_kwargs, not typed there
+            raise TokenizerError("chat_template_kwargs", "its chat_template must be a string")
         if self.exclude_tools_when_tool_choice_none and options.tool_choice == "none":
             # vLLM renders such a request without its `tools` (chat_template_kwargs' tools stay)
             options = replace(options, tools=None)

@@ -105,6 +105,10 @@ _VALIDATION: list[tuple[str, Any]] = [
     ("/v1/chat/completions", {**_CHAT, "tools": {"type": "function"}}),
     ("/v1/chat/completions", {**_CHAT, "documents": [{"title": 5}]}),
     ("/v1/chat/completions", {**_CHAT, "chat_template_kwargs": []}),
+    # a client's own template, vLLM refusing it without --trust-request-chat-template (its default)
+    ("/v1/chat/completions", {**_CHAT, "chat_template": "{{ 1 }}"}),
+    ("/v1/chat/completions", {**_CHAT, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}),
+    ("/v1/chat/completions", {**_CHAT, "chat_template_kwargs": {"chat_template": 5}}),
     ("/tokenize", {"model": 5, "prompt": "hi"}),
     # the prompt's refusals, in vLLM's words and with its `param` (null where it names none)
     ("/v1/completions", {**_OK, "prompt": ""}),

@@ -291,6 +291,13 @@ async def test_a_clients_own_chat_template_is_refused_unless_trusted_and_then_re
     assert await t.encode_chat(messages, ChatOptions()) == [1, 5, 7, 3, 8, 6, 7] and t.offloaded == 0
     trusting = Tokenization(load_tokenizer(hf_dir), trust_request_template=True)
     assert await trusting.encode_chat(messages, mine) == [3, 4] and trusting.offloaded == 1
+    # one in chat_template_kwargs is untyped there: refused as any other untrusted, and when trusted,
+    # refused naming the kwargs, not compiled (jinja takes only text)
+    with pytest.raises(TokenizerError, match="--trust-request-chat-template is not set"):
+        await t.encode_chat(messages, ChatOptions(chat_template=5))
+    with pytest.raises(TokenizerError, match="must be a string") as err:
+        await trusting.encode_chat(messages, ChatOptions(chat_template=5))
+    assert err.value.what == "chat_template_kwargs"
     t.close()
     trusting.close()
 
