@@ -36,6 +36,8 @@ VALIDATION_ERROR = "Bad Request"
 _MAX_REPORTED_ERRORS = 10  # vLLM's validation handler reports this many, then counts the rest
 _MAX_ERROR_INPUT_CHARS = 200
 _SKIPPED_TYPES = (msgspec.inspect.NoneType, msgspec.inspect.AnyType)
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_I64_BOUND = float(2**63)
 
 Detail = dict[str, Any] | str  # a pydantic error dict, or an error that is only text
 
@@ -129,7 +131,7 @@ def _member_errors(loc: str, value: Any, t: msgspec.inspect.Type) -> list[dict[s
     if isinstance(t, msgspec.inspect.BoolType):
         if lax_bool(value) is not None:
             return []
-        if isinstance(value, str | int | float):
+        if isinstance(value, str) or _whole_i64(value):
             return [field_error("bool_parsing", loc, "Input should be a valid boolean, unable to interpret input",
                                 value)]  # fmt: skip
         return [field_error("bool_type", loc, "Input should be a valid boolean", value)]
@@ -179,6 +181,15 @@ def _int_errors(loc: str, value: Any, t: msgspec.inspect.IntType) -> list[dict[s
         return [field_error("int_from_float", loc, "Input should be a valid integer, got a number with a fractional "
                             "part", value)]  # fmt: skip
     return [field_error("int_type", loc, "Input should be a valid integer", value)]
+
+
+def _whole_i64(value: Any) -> bool:
+    """pydantic reads a number as a boolean only through an i64: 2 or 2.0 it reads and refuses
+    (bool_parsing); 0.5, 2**63 or 1e19 it cannot read (bool_type). A float must lie strictly inside
+    (-2^63, 2^63), where an int may be -2^63 itself."""
+    if isinstance(value, int):
+        return _I64_MIN <= value <= _I64_MAX
+    return isinstance(value, float) and value.is_integer() and -_I64_BOUND < value < _I64_BOUND
 
 
 def _is_float(text: str) -> bool:

@@ -139,6 +139,11 @@ _INT = "Input should be a valid integer"
         ("n", [2], "int_type", _INT),
         ("stream", "maybe", "bool_parsing", "Input should be a valid boolean, unable to interpret input"),
         ("stream", 2, "bool_parsing", "Input should be a valid boolean, unable to interpret input"),
+        ("stream", 2.0, "bool_parsing", "Input should be a valid boolean, unable to interpret input"),
+        # no number pydantic reads as a boolean (an i64): not even one to refuse
+        ("stream", 0.5, "bool_type", "Input should be a valid boolean"),
+        ("stream", 2**63, "bool_type", "Input should be a valid boolean"),
+        ("add_special_tokens", 1e19, "bool_type", "Input should be a valid boolean"),
     ],
 )
 def test_what_vllm_would_not_read_is_400_naming_it(name: str, value: Any, kind: str, msg: str) -> None:
