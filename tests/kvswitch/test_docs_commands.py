@@ -152,6 +152,8 @@ def _module_parser(module: str, rest: list[str], monkeypatch: pytest.MonkeyPatch
     with monkeypatch.context() as patch:
         patch.setattr(argparse.ArgumentParser, "parse_args", stop)
         patch.setattr(sys, "argv", [module, *rest])
+        # run as __main__ beside its imported copy (another test imported it): runpy warns of that
+        patch.delitem(sys.modules, module, raising=False)
         with pytest.raises(_Parsed) as parsed:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
     return parsed.value.parser
