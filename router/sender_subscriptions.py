@@ -20,7 +20,7 @@ to the digest check of its load reports, and is repaired (router.kv_ingest), as 
 way is.
 
 One task makes every change, in order: each change subscribes before it unsubscribes, unsubscribes
-`SWITCH_OVERLAP_S` after nats-server has the new subscriptions, and without loss
+`SWITCH_OVERLAP_S` after the new subscriptions are written to the socket, and without loss
 (runtime.nats_unsubscribe: every message the server sent the old subscription before its UNSUB goes
 through the handler), so no message of a worker heard before and after is missed (those of the
 overlap come twice: a load report again changes nothing, a KV batch again is a duplicate). nats-py's
@@ -29,7 +29,9 @@ of an honest worker's at each switch (review of 2026-12-07). With the UNSUB sent
 SUB, nats-server itself lost one now and then: it matches a message against the subscriptions, then
 delivers it to each one not closed meanwhile, so a message matched before the SUB and delivered
 after the UNSUB went to neither (a burst on 8 connections at each of 10 switches: some lost in 5
-of 12 runs).
+of 12 runs). No PONG is awaited before the UNSUB: the server's PONG comes behind everything it
+sends the connection first, so under a flood the quarantine took hold only once the router had read
+the backlog (0.2-0.7 s and 144k-264k flood messages after `quarantine()`, review of 2026-12-07).
 None is made while the connection is down: nats-py queues a SUB made then and sends it on
 reconnect, while an unsubscribe then only forgets it here, so a subscription made and dropped
 within an outage stayed at nats-server, unseen (review of 2026-12-06: a worker that left during
@@ -62,7 +64,7 @@ from nats.errors import FlushTimeoutError
 
 from discovery.watch import keep_following
 from runtime import StopSteps, background, cancel_and_wait
-from runtime.nats_flush import flush
+from runtime.nats_flush import flush, write_queued
 from runtime.nats_unsubscribe import unsubscribe
 
 __all__ = ["QUARANTINE_MAX_FACTOR", "QUARANTINE_S", "SenderSubscriptions"]
@@ -71,7 +73,7 @@ log = logging.getLogger(__name__)
 
 QUARANTINE_S = 15.0
 QUARANTINE_MAX_FACTOR = 8
-SWITCH_OVERLAP_S = 0.1  # both heard at a switch, once nats-server has the new subscriptions
+SWITCH_OVERLAP_S = 0.1  # both heard at a switch, from the new subscriptions written to the socket
 
 
 @dataclass(slots=True)
@@ -296,9 +298,11 @@ class SenderSubscriptions:
         if added:
             # nats-server matches a message, then delivers it, skipping a subscription closed in
             # between: a message matched before the new SUB and delivered after the old UNSUB right
-            # behind it was lost. The UNSUB goes once the server has the SUBs and a while after.
+            # behind it was lost. The UNSUB goes SWITCH_OVERLAP_S after the SUBs are on the socket;
+            # the server reads a connection's commands in order. No PONG is awaited: under a flood
+            # it comes behind the whole backlog (0.2-0.7 s, the flood heard meanwhile).
             with contextlib.suppress(NatsError):  # down or frozen: unsubscribed all the same
-                await flush(self._nc)
+                await write_queued(self._nc)
             await asyncio.sleep(SWITCH_OVERLAP_S)
         gone = [self._each.pop(worker) for worker in left]
         if wildcard is not None:

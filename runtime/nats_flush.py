@@ -22,7 +22,7 @@ import asyncio
 from nats.aio.client import Client
 from nats.errors import FlushTimeoutError
 
-__all__ = ["flush"]
+__all__ = ["flush", "write_queued"]
 
 
 async def flush(nc: Client, timeout: int = 10) -> None:
@@ -35,19 +35,33 @@ async def flush(nc: Client, timeout: int = 10) -> None:
     await asyncio.shield(flushing)
 
 
+async def write_queued(nc: Client, timeout: float = 10) -> None:
+    """Return once the commands queued on `nc` before this call are written to its socket: the
+    write half of `flush`, without waiting for the server's PONG, which comes behind whatever the
+    server sends this connection first (a flood's backlog). Shielded as `flush` is (nats-py's
+    write swallows a cancellation). FlushTimeoutError after about `timeout` seconds."""
+    writing = asyncio.ensure_future(_write_queued(nc, timeout))
+    writing.add_done_callback(lambda t: t.cancelled() or t.exception())
+    await asyncio.shield(writing)
+
+
+async def _write_queued(nc: Client, timeout: float) -> None:
+    # Private: write the queued commands and wait until they are on the socket. Without it (a
+    # renamed method) nats-py's flusher task writes them soon, and a flush's PING may overtake them.
+    write = getattr(nc, "_flush_pending", None)
+    if write is not None:
+        try:
+            await asyncio.wait_for(write(force_flush=True), timeout)
+        except TimeoutError:
+            raise FlushTimeoutError from None
+
+
 async def _flush(nc: Client, timeout: int) -> None:
     """The flush itself, shielded. A timeout takes its future out of the PONG queue here, in the
     shielded task, so that it is done whether or not the caller still waits (done in the caller,
     a caller cancelled before the timeout left it there)."""
     try:
-        # Private too: write the queued commands and wait until they are on the socket, so the
-        # PING goes out behind them. Without it (a renamed method) the flush is what nats-py gives.
-        write_queued = getattr(nc, "_flush_pending", None)
-        if write_queued is not None:
-            try:
-                await asyncio.wait_for(write_queued(force_flush=True), timeout)
-            except TimeoutError:
-                raise FlushTimeoutError from None
+        await _write_queued(nc, timeout)  # so the PING goes out behind them
         await nc.flush(timeout)
     except FlushTimeoutError:
         pongs = getattr(nc, "_pongs", None)  # private: no-op should a nats-py release rename it

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import time
 import urllib.request
 from functools import partial
@@ -32,6 +33,7 @@ from runtime.nats_flush import flush
 from tests.lost_cancellation import ends_within, never_answers
 from tests.router.conftest import Cluster
 from tests.router.polling import until
+from tests.runtime.recording_proxy import recording_proxy
 
 
 def test_a_sender_gets_its_burst_then_its_rate() -> None:
@@ -305,6 +307,47 @@ async def test_no_message_of_a_worker_publishing_as_the_subscriptions_switch_is_
         for pub in pubs:
             await pub.close()
     assert set(range(1, sent + 1)) - seen == set()
+
+
+async def test_a_quarantine_unsubscribes_without_waiting_for_what_the_server_sends_first(
+    nats_server: NatsServer, ns: str
+) -> None:
+    """The server's PONG comes behind everything it sends the connection first: a switch that awaited
+    one before its UNSUB heard a flood until the router had read its whole backlog (0.2-0.7 s and
+    144k-264k messages of 100 B after quarantine(), review of 2026-12-07). Here the router reads
+    nothing more once the quarantine begins: the wildcard's UNSUB goes out all the same, behind the
+    per-worker SUBs."""
+    sent = bytearray()
+    replies = asyncio.Event()
+    replies.set()
+    proxy = await recording_proxy(nats_server.port, sent, replies)
+    nc = await nats.connect(f"nats://127.0.0.1:{proxy.sockets[0].getsockname()[1]}")
+
+    async def handler(msg: Msg) -> None:
+        pass
+
+    subs = SenderSubscriptions(
+        nc, subjects.kv_all(ns), partial(subjects.kv, ns), handler, lambda: ["h", "f"], what="KV event"
+    )
+    await subs.start()
+    try:
+        await flush(nc)
+        assert subs._all is not None
+        unsub = re.compile(rb"UNSUB %d[ \r]" % subs._all._id)
+        replies.clear()  # a backlog ahead of any PONG
+        assert subs.quarantine("f")
+        # Well inside the 10 s after which a switch awaiting the PONG gave up on it and went on.
+        await until(lambda: unsub.search(sent) is not None, timeout=5.0, what="the wildcard's UNSUB on the wire")
+        wire = bytes(sent)
+        unsubscribed = unsub.search(wire)
+        assert unsubscribed is not None and wire.index(f"SUB {subjects.kv(ns, 'h')} ".encode()) < unsubscribed.start()
+        assert f"SUB {subjects.kv(ns, 'f')} ".encode() not in wire
+    finally:
+        replies.set()
+        await subs.stop()
+        await nc.close()
+        proxy.close()
+        await proxy.wait_closed()
 
 
 @pytest.mark.parametrize("switching", [False, True])

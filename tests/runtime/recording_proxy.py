@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 
 
-async def recording_proxy(upstream_port: int, sent: bytearray) -> asyncio.Server:
-    """A TCP relay to the server that keeps, in order, every byte the client sends."""
+async def recording_proxy(upstream_port: int, sent: bytearray, replies: asyncio.Event | None = None) -> asyncio.Server:
+    """A TCP relay to the server that keeps, in order, every byte the client sends. With `replies`,
+    what the server sends is relayed only while that is set, held in order meanwhile (a client
+    slow to read: its backlog ahead of any PONG)."""
 
     async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, record: bool) -> None:
         try:
             while data := await reader.read(65536):
                 if record:
                     sent.extend(data)
+                elif replies is not None:
+                    await replies.wait()
                 writer.write(data)
                 await writer.drain()
         except ConnectionError:
