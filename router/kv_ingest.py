@@ -5,7 +5,11 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
 - The index holds a worker's state as of (epoch, last_seq). A live batch with seq == last_seq + 1
   of that epoch is applied; seq <= last_seq is a duplicate and dropped; seq > last_seq + 1 opens a
   gap: live batches are held back and a repair starts (router.gap_repair). Another epoch is
-  repaired with a full dump.
+  repaired with a full dump. A gap seen while the KV subscriptions switch (a quarantine's start or
+  end) is held without a repair until the switch ends: nats-py gives each subscription its own
+  queue, and the old one's may still hold the batches between, behind a flood, as the new one
+  hands over later ones (until 2026-12-07 an honest worker was taken out of routing to repair
+  batches on their way). The batch that closes it applies the held ones; a gap left then is a loss.
 - The worker is the authority on its own state. A repair reply says where the shim stands,
   (epoch, seq), and carries the missed batches or a full dump; once it is applied, every held
   batch that arrived before the request went out and contradicts it (another epoch, or a seq
@@ -247,7 +251,9 @@ class KvIngest:
             what="KV event",
             quarantine_s=quarantine_s,
             clock=clock,
+            on_switched=self._switched,
         )
+        self._switch_gaps: set[str] = set()  # workers whose gap waits for the switch under way to end
         self.repairs = GapRepair(
             requests_nc or nc,
             self._ns,
@@ -556,12 +562,28 @@ class KvIngest:
         elif batch.seq <= sync.last_seq:
             self.stats.duplicates += 1
         elif batch.seq > sync.last_seq + 1:
-            self.stats.gaps += 1
             self._hold(state, batch, skipped)
-            self._open_repair(state, dump=False, why=f"gap: seq {batch.seq} after {sync.last_seq}")
+            if self.subscriptions.switching and not state.want_dump:  # want_dump: held past a bound, dropped
+                # The old subscription's queue may still hold the batches between (_switched).
+                self._switch_gaps.add(state.name)
+            else:
+                self.stats.gaps += 1
+                self._open_repair(state, dump=False, why=f"gap: seq {batch.seq} after {sync.last_seq}")
         else:
-            self._apply(batch, state, skipped)
+            if self._apply(batch, state, skipped) and state.held:
+                self._drain_held(state)  # those held across a switch that follow it now
             self.stats.last_lag_s = max(0.0, time.time() - batch.ts)
+
+    def _switched(self) -> None:
+        """A change of the KV subscriptions ended: every batch its old ones held went through
+        `_on_msg`. A gap held meanwhile that remains was a loss: repaired."""
+        gaps, self._switch_gaps = self._switch_gaps, set()
+        for name in gaps:
+            state = self._workers.get(name)
+            if state is not None and state.sync.state is SyncState.SYNCED and state.held:
+                self.stats.gaps += 1
+                seq = min(batch.seq for _, batch, _ in state.held)
+                self._open_repair(state, dump=False, why=f"gap: seq {seq} after {state.sync.last_seq}")
 
     def _newer(self, worker: str, skipped: Skipped) -> None:
         """Events of types this router does not know, left out of a batch of registered `worker`'s

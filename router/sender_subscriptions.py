@@ -97,10 +97,12 @@ class SenderSubscriptions:
         what: str,
         quarantine_s: float = QUARANTINE_S,
         clock: Callable[[], float] = time.monotonic,
+        on_switched: Callable[[], None] = lambda: None,
     ) -> None:
         """`all_subject`: the wildcard every worker's subject `one(worker)` matches; `workers`: the
         registered workers' ids, whose subjects are heard while a sender is quarantined; `what`: the
-        messages, as its task's failures name them."""
+        messages, as its task's failures name them; `on_switched`: called as each change ends (see
+        `switching`)."""
         self._nc = nc
         self._all_subject = all_subject
         self._one = one
@@ -110,6 +112,8 @@ class SenderSubscriptions:
         self.quarantine_s = quarantine_s
         self.quarantine_max_s = QUARANTINE_MAX_FACTOR * quarantine_s
         self._clock = clock
+        self._on_switched = on_switched
+        self._switching = False
         self._all: Subscription | None = None  # all_subject, while no sender is quarantined
         self._each: dict[str, Subscription] = {}  # by worker, while one is
         self._until: dict[str, float] = {}  # quarantined senders: until when
@@ -163,6 +167,15 @@ class SenderSubscriptions:
         self.quarantines += 1
         self._changed.set()
         return True
+
+    @property
+    def switching(self) -> bool:
+        """Whether a change is under way. Meanwhile a worker's messages may come out of order: the
+        old subscription and the new one each have their own queue and task in nats-py, and the old
+        one's may hold an earlier message (behind a flood) as the new one hands over later ones.
+        Once the change ends, every message of the subscriptions it dropped went through the
+        handler, and `on_switched` is called."""
+        return self._switching
 
     def quarantined_for(self, sender: str) -> float | None:
         """The seconds `sender` is unheard for yet; None when it is heard."""
@@ -270,7 +283,12 @@ class SenderSubscriptions:
             self._changed.clear()
             wait: float | None = None  # while the connection is down: until reconnected()
             if self._nc.is_connected:
-                await self._settle()
+                self._switching = True
+                try:
+                    await self._settle()
+                finally:  # one that raised too: a gap held for it is judged now, not held on
+                    self._switching = False
+                    self._on_switched()
                 wait = max(0.0, min(self._until.values(), default=self._clock() + 3600.0) - self._clock())
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):

@@ -865,6 +865,45 @@ async def test_a_sender_past_its_budget_is_dropped_quarantined_named_once_and_re
         await requests_nc.close()
 
 
+@pytest.mark.parametrize("lost", [False, True])
+async def test_a_gap_seen_as_the_subscriptions_switch_waits_for_the_old_subscriptions_queue(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim, lost: bool
+) -> None:
+    """nats-py gives each subscription its own queue and task: as a quarantine begins, {ns}.kv.*'s
+    queue may still hold a worker's batch N behind a flood while the worker's own subscription hands
+    over N+1 (review of 2026-12-07: an honest worker taken out of routing to repair batches on their
+    way). Here the wildcard's queue waits on a stranger's message with N behind it, or N lost: the
+    gap is held, the worker routable, until the switch ends; then repaired only if it remains."""
+    await synced_with(ingest, shim)
+    await shim.publish(Stored(hashes=[1]))
+    await until(lambda: ingest.stats.workers["a1"].last_seq == 1, what="batch 1")
+    subs = ingest.subscriptions
+    gate = asyncio.Event()
+    handler = subs._handler
+
+    async def gated(msg: Msg) -> None:
+        if msg.subject == subjects.kv(ns, "x"):
+            await gate.wait()
+        await handler(msg)
+
+    subs._handler = gated
+    try:
+        await nc.publish(subjects.kv(ns, "x"), b"a stranger's")  # the wildcard's task waits on it
+        await shim.publish(Stored(hashes=[2], parent=1), drop=lost)  # N, behind it in that queue
+        assert subs.quarantine("x")
+        await until(lambda: "a1" in subs._each, what="a1's own subscription")
+        await shim.publish(Stored(hashes=[3], parent=2))  # N+1 on a1's own (its SUB went first on nc)
+        await until(lambda: ingest.stats.workers["a1"].buffered > 0 or ingest.stats.gaps > 0, what="N+1 handled")
+        assert ingest.stats.gaps == 0 and ingest.sync_state("a1") is None  # held, a1 still routable
+        assert subs.switching  # the wildcard's queue not through yet
+    finally:
+        gate.set()
+    await until(lambda: not subs.switching and ingest.synced and ingest.stats.workers["a1"].last_seq == 3)
+    assert ingest.index.dump() == shim.expected() == {"a1": [1, 2, 3]}
+    assert ingest.stats.gaps == int(lost)  # a loss is repaired still
+    assert ingest.stats.workers["a1"].repairs == 1 + int(lost)  # its bootstrap, and the loss's repair
+
+
 class _PaceClock:
     """A clock of its own for a shim's KvPace (and a router's ingest): a sleep moves it on, so a
     paced snapshot takes no wall-clock time."""
