@@ -498,6 +498,10 @@ class Calibration:
             self.forget(worker)
             self._profile[worker] = profile
         prev = self._last.get(worker)
+        if prev is not None and report.iterations < prev.iterations and report.ts <= prev.ts:
+            # Made before the last one, come late (reordered across a quarantine's subscription
+            # switch, or again): fewer iterations as a restarted engine's, but no restart.
+            return
         if prev is None or report.iterations < prev.iterations:  # first report, or the engine restarted
             self._last[worker] = report
             self._windows.pop(worker, None)

@@ -3,6 +3,7 @@ from any starting profile, follows a change, and ignores what cannot be read as 
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -189,6 +190,27 @@ def test_idle_intervals_and_restarts_teach_nothing() -> None:
     while cal.warm_s("w") == 0.0:
         cal.observe(info, engine.interval(running=8, context=4096, prefill_tokens=0))
     assert _fitted(cal, info).decode_scale == pytest.approx(1.0, rel=1e-6)
+
+
+def test_an_older_report_come_late_is_no_engine_restart() -> None:
+    """Load reports come reordered across a quarantine's subscription switch (each subscription has
+    its own queue in nats-py), or twice: an older one has fewer iterations than the last, as a
+    restarted engine's has, but was made before it. Taken for a restart, it dropped the worker's
+    fitting windows and measured the next from itself (review of 2026-12-07)."""
+    info = _info()
+    plain, reordered = Calibration(), Calibration()
+    engine = SyntheticEngine(1.3, 1.0)
+    reports = [engine.report(running=1, context=4096)]
+    plain.observe(info, reports[0])
+    while plain.warm_s("w") == 0.0:
+        reports.append(engine.interval(running=8, context=4096, prefill_tokens=0))
+        plain.observe(info, reports[-1])
+    reordered.observe(info, reports[0])
+    for before, report in itertools.pairwise(reports):
+        reordered.observe(info, report)
+        reordered.observe(info, before)  # the one before it, again, late
+    assert reordered.warm_s("w") == plain.warm_s("w") > 0.0
+    assert _fitted(reordered, info).decode_scale == _fitted(plain, info).decode_scale != 1.0
 
 
 @pytest.mark.parametrize(
