@@ -12,6 +12,7 @@ Usage (a worker shim; a router registers its RouterInfo the same way)::
         on_lost=on_lost,            # async (old_id) -> None, awaited before registering anew
         on_registered=on_new,       # async (new_id) -> None, awaited after each re-registration
         on_failing=failed,          # (DiscoveryError, retry_s) -> None: a try to register anew failed
+        on_answered=answered,       # (KeyTaken) -> None: a try etcd answered, the key still the lost lease's
         before_create=ready,        # async (id) -> None, awaited before the key is created
         claims=claim,               # (id) -> {key: Struct}: more keys under the same lease, each unique
     )
@@ -39,12 +40,15 @@ same `name`), retrying with backoff while etcd does not answer, and the owner he
 told to `on_failing(error, seconds to the next try)` (a shim's episode: its log lines and /health);
 without it the registration says the first at WARNING with what to do (discovery.advice), then at
 most every SAID_EVERY_S with a count (until 2026-12-07 each try was a WARNING, every 5 s for as long
-as a full etcd refused it, each a multi-line gRPC error). If a named key was taken meanwhile
-(`failure` is KeyTaken, naming the holder), or an owner's hook raised, `failed` is set: the owner
-must act (stop, or start over with a new Registration). So it is when a keep-alive check finds the
-key or a claim held by another lease while ours lives: a live second owner of the name (etcd deletes
-a key with its lease), which took it once it was deleted by hand. From etcd's answer until the
-supervisor registers anew, `state` is "lost".
+as a full etcd refused it, each a multi-line gRPC error). Each try etcd answers with the key still
+held by the lost lease (its revoke failed: waited out, a WARNING each) is told to
+`on_answered(KeyTaken)`: a shim's episode ends there (until a review of 2026-12-07 its /health said
+"registering with etcd fails for N s" for as long as the wait lasted, etcd answering all along).
+If a named key was taken meanwhile (`failure` is KeyTaken, naming the holder), or an owner's hook
+raised, `failed` is set: the owner must act (stop, or start over with a new Registration). So it is
+when a keep-alive check finds the key or a claim held by another lease while ours lives: a live
+second owner of the name (etcd deletes a key with its lease), which took it once it was deleted by
+hand. From etcd's answer until the supervisor registers anew, `state` is "lost".
 
 The supervisor is the registration for the life of the process: an unexpected error in one of its
 ticks (a bug, a value() that raises) is an ERROR with its traceback (the first, then at most every
@@ -174,6 +178,7 @@ class Registration:
         on_lost: Callable[[str], Awaitable[None]] | None = None,
         on_registered: Callable[[str], Awaitable[None]] | None = None,
         on_failing: Callable[[DiscoveryError, float], None] | None = None,
+        on_answered: Callable[[KeyTaken], None] | None = None,
         before_create: Callable[[str], Awaitable[None]] | None = None,
         claims: Callable[[str], Mapping[str, msgspec.Struct]] | None = None,
     ) -> None:
@@ -186,6 +191,7 @@ class Registration:
         self._on_lost = on_lost
         self._on_registered = on_registered
         self._on_failing = on_failing
+        self._on_answered = on_answered
         self._before_create = before_create
         self._claims = claims
         self.id = ""
@@ -461,6 +467,8 @@ class Registration:
                 # the revoke with it): its keys go with its TTL, so wait, as for etcd not answering.
                 log.warning("registering %s again waits for %s, its own lost lease, to expire; retrying in %.1fs",
                             exc.key, lost.hex_id, retry)  # fmt: skip
+                if self._on_answered is not None:
+                    self._on_answered(exc)
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, RETRY_MAX_S)
             except DiscoveryError as exc:

@@ -6,14 +6,14 @@ Two episodes, each of one session: it ends with the session (WorkerShim._end_ses
 etcd fails for 49 s" while etcd was up and the engine down, the episode begun in a session since
 ended). `RegisterFailures`: registering fails for etcd (not answering, refusing a write), retried
 every health_interval_s within the session, or with backoff to register anew after the lease's
-loss (Registration's on_failing); until 2026-12-07 each try was a WARNING (about 3,000 lines an
-hour of etcd down per shim, a re-registration's every 5 s) that named no end, and a first
-registration's try a new session, which asked the engine for a full replay of its KV events each
-time. What to do is discovery.advice's: --etcd-endpoints only where etcd did not answer (it was
-named for a full etcd too). `CutOff`: etcd has not renewed the lease for longer than its TTL, so
-where routers still reach etcd (the shim alone cut off from it) the key is gone and no new request
-comes; the shim serves on what it is sent, the legs in flight included. It said "serving" and
-nothing else (the router says as much of itself on /ready). `stale_key`: the registered key's
+loss (Registration's on_failing; its on_answered ends the episode); until 2026-12-07 each try was
+a WARNING (about 3,000 lines an hour of etcd down per shim, a re-registration's every 5 s) that
+named no end, and a first registration's try a new session, which asked the engine for a full
+replay of its KV events each time. What to do is discovery.advice's: --etcd-endpoints only where
+etcd did not answer (it was named for a full etcd too). `CutOff`: etcd has not renewed the lease
+for longer than its TTL, so where routers still reach etcd (the shim alone cut off from it) the key
+is gone and no new request comes; the shim serves on what it is sent, the legs in flight included.
+It said "serving" and nothing else (the router says as much of itself on /ready). `stale_key`: the registered key's
 re-put that etcd keeps failing (Registration.put_trouble), its value stale meanwhile.
 """
 
@@ -72,11 +72,12 @@ class RegisterFailures:
         comes next (it said "the next one tries anew" at a SIGTERM; review of 2026-12-07)."""
         self._end("the shim stopped" if stopping else "the session ended: the next one tries anew")
 
-    def answered(self) -> None:
-        """etcd answered a try: the key is held by another lease, waited out (WorkerShim._held_may_free).
-        The episode ends, said: /health said "registering with etcd fails for N s" after etcd
-        answered, for as long as the wait lasted (review of 2026-12-07)."""
-        self._end("etcd answered: the key is held by another lease, waited out")
+    def answered(self, holder: str = "another lease") -> None:
+        """etcd answered a try: the key is held by `holder`, waited out (WorkerShim._held_may_free;
+        re-registering, the lost lease: Registration's on_answered). The episode ends, said: /health
+        said "registering with etcd fails for N s" after etcd answered, for as long as the wait
+        lasted (reviews of 2026-12-07)."""
+        self._end(f"etcd answered: the key is held by {holder}, waited out")
 
     def _end(self, end: str) -> None:
         if self.tries:

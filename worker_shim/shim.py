@@ -1092,6 +1092,7 @@ class WorkerShim:
                 on_lost=self._on_lease_lost,
                 on_registered=self._on_registered,
                 on_failing=self.register_failures.failed,  # /health says it while reregistering
+                on_answered=self._lost_lease_waited,
                 before_create=self._before_announce,
                 claims=self._engine_claim,
             )
@@ -1199,6 +1200,11 @@ class WorkerShim:
             log.warning("%s; waiting up to %.0fs for it to expire (a crashed shim's lease does)",
                         exc, self.config.lease_ttl + NAME_WAIT_MARGIN_S)  # fmt: skip
         return now - self._held_since < self.config.lease_ttl + NAME_WAIT_MARGIN_S
+
+    def _lost_lease_waited(self, exc: KeyTaken) -> None:
+        """Registering anew, etcd answered that the key is still held by the lost lease (its revoke
+        failed): the failing episode ends while the lease is waited out (Registration's on_answered)."""
+        self.register_failures.answered(f"this shim's lost lease {exc.holder:x}")
 
     def _taken(self, exc: KeyTaken) -> ConfigError:
         """The startup error of a key another live shim holds: this worker's name, or its engine."""

@@ -388,3 +388,38 @@ async def test_a_re_put_etcd_keeps_failing_is_said_on_health_while_the_shim_serv
     assert why.startswith("re-putting this worker's key fails for ") and "database space exceeded" in why, body
     assert why.endswith(NO_SPACE) and "--etcd-endpoints" not in why, body
     assert after[0] == 200 and after[1]["etcd_why"] == "", after
+
+
+async def test_etcd_answering_that_the_lost_lease_still_holds_the_worker_name_ends_the_episode(
+    ns: str, nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Registering anew after the lease's loss, etcd refusing writes, then answering that the lost
+    lease (its revoke failed) still holds --worker-name (waited out, retries at most 5 s apart):
+    /health said "registering with etcd fails for N s", N growing, etcd answering all along, until
+    the key came free (review of 2026-12-07)."""
+    caplog.set_level(logging.INFO)
+    with EtcdServer() as etcd:  # its own: the alarm refuses every client's writes
+        async with (
+            SimServer(sim_config()) as sim,
+            shim_for(sim, ns, nats_url, etcd.url, worker_name="w", lease_ttl=30) as shim,
+        ):
+            await wait_for(shim.registered.is_set, what="registered")
+            reg = shim.registration
+            assert reg is not None and reg.lease is not None
+            old = reg.lease
+            nospace_alarm(etcd, "ACTIVATE")
+            # Taken as lost with etcd still holding it: a keep-alive's defect whose revoke failed (a
+            # lost lease's release revokes nothing), so its key stays until its TTL.
+            old._mark_lost("its keep-alive failed: a defect")
+            await wait_for(lambda: shim.register_failures.tries >= 2, 15, "2 tries")
+            failing = await health(shim.http.url)
+            nospace_alarm(etcd, "DEACTIVATE")
+            await wait_for(lambda: bool(_said(caplog, "its own lost lease, to expire")), 15, "the lost lease found")
+            status, body = await health(shim.http.url)
+            async with Discovery(EtcdSettings(endpoints=[etcd.url]), ns) as d:
+                assert await d.holder(subjects.worker_key(ns, "w")) == old.id, "the lost lease holds it still"
+    assert str(failing[1]["etcd_why"]).startswith("registering with etcd fails for"), failing
+    assert status == 503 and body["registration"] == "reregistering" and body["etcd_why"] == "", body
+    [ended] = _said(caplog, "until etcd answered")
+    assert ended.levelno == logging.INFO and ended.getMessage().startswith("registering with etcd failed for ")
+    assert ended.getMessage().endswith(f"the key is held by this shim's lost lease {old.hex_id}, waited out")
