@@ -2,7 +2,8 @@
 ChatCompletionRequest's, last-defined first, as pydantic runs them): they read the raw JSON before
 any field is typed, so a body they refuse gets their 400 whatever its fields hold. engine_sim runs
 them as vLLM does; the router runs them before its own checks, so that its 400 is the one vLLM
-would give.
+would give, for a model only vLLM engines serve (router.request_parsing: other engines take such
+bodies).
 """
 
 from __future__ import annotations

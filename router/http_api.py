@@ -473,7 +473,7 @@ class _Handlers:
     async def debug_route(self, request: web.Request) -> web.Response:
         try:
             body = await self._json_body(request)
-            parsed = parse_request(body, chat=isinstance(body, dict) and "messages" in body)
+            parsed = self._parse(body, chat=isinstance(body, dict) and "messages" in body)
             try:
                 model = self._model(parsed.model)
             except ApiError as exc:
@@ -529,6 +529,12 @@ class _Handlers:
             raise not_json(raw, exc) from exc
         except RecursionError:
             raise ApiError(400, "the body's JSON is nested too deeply", "body") from None
+
+    def _parse(self, body: Any, *, chat: bool) -> ParsedRequest:
+        """parse_request, refusing what vLLM alone refuses only where vLLM engines alone serve the
+        model the body names."""
+        named = body.get("model") if isinstance(body, dict) else None
+        return parse_request(body, chat=chat, vllm_only=self.path.vllm_only(named))
 
     def _model(self, name: str | None) -> str:
         try:
@@ -607,7 +613,7 @@ class _Handlers:
             try:
                 _check_passed_headers(request)
                 body = await self._json_body(request)
-                parsed = parse_request(body, chat=chat)
+                parsed = self._parse(body, chat=chat)
                 if (priority := header_priority(request.headers)) is not None:
                     parsed.shape = msgspec.structs.replace(parsed.shape, priority=priority)
                 ids = _Ids.of(request, body, chat=chat)

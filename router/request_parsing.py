@@ -2,8 +2,10 @@
 as vLLM 0.32's pydantic models read them (ApiError 400 naming the parameter), the fields only the
 router may set, refused, and the prompt's token ids as the engine computes them (`prompt_ids`).
 
-The router runs vLLM's model validators of the raw body first, as vLLM does
-(protocol.vllm_validators), validates only the fields it reads, refuses the ones only it may set
+Where only vLLM engines serve the request's model, the router runs vLLM's model validators of the
+raw body first, as vLLM does (protocol.vllm_validators), and types vLLM's dicts of router-only
+fields; where another engine may serve it (SGLang takes bodies those refuse), they are the
+engine's. It validates only the fields it reads, refuses the ones only it may set
 (`kv_transfer_params`, `disaggregated_params`, the bootstrap triple, `ec_transfer_params`, and the
 transfer handles in `vllm_xargs`; a null, which the engines read as unset, is no handle: taken)
 last, and passes everything else on. So stop strings, `n`, `echo`, logprobs, penalties, tools,
@@ -137,17 +139,19 @@ class _ChatFields(msgspec.Struct, kw_only=True):
     annotations: list[str] | None = None
 
 
-_FIELDS = {chat: cast(msgspec.inspect.StructType, msgspec.inspect.type_info(t)).fields
-           for chat, t in ((False, _CompletionFields), (True, _ChatFields))}  # fmt: skip
+_VLLM_DICTS = ("kv_transfer_params", "vllm_xargs")  # typed as vLLM's model types them: vLLM's alone
+_FIELDS = {(chat, vllm): tuple(f for f in cast(msgspec.inspect.StructType, msgspec.inspect.type_info(t)).fields
+                               if vllm or f.name not in _VLLM_DICTS)
+           for chat, t in ((False, _CompletionFields), (True, _ChatFields)) for vllm in (False, True)}  # fmt: skip
 _TYPES: dict[type, msgspec.inspect.Type] = {
     kind: msgspec.inspect.type_info(kind) for kind in (bool, int, str, list, dict)
 }
 
 
-def _check_fields(body: dict[str, Any], chat: bool) -> None:
+def _check_fields(body: dict[str, Any], chat: bool, vllm_only: bool) -> None:
     """Every field the router reads that vLLM's model would refuse, in one 400 as vLLM's (vLLM's
     names the fields the router does not read too: the engine's)."""
-    if details := struct_errors("body", body, _FIELDS[chat]):
+    if details := struct_errors("body", body, _FIELDS[chat, vllm_only]):
         raise validation_failed(details)
 
 
@@ -216,6 +220,7 @@ def check_hashable(prompts: list[list[int]]) -> None:
 # engine_sim's for a prompt of no form vLLM takes
 _EMPTY_PROMPT = "The decoder prompt cannot be empty"
 _NO_PROMPTS = "You must pass at least one prompt"
+_NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
 _NOT_A_PROMPT = "prompt must be a string, a list of token ids, or a list of strings or token-id lists"
 
 
@@ -223,7 +228,10 @@ def _prompts(raw: Any) -> list[str | list[int]]:
     """vLLM's prompt forms: a string, token ids, or a non-empty list of strings or of token-id
     lists, picked as its pydantic union picks: all strings are texts (["1", "2"] too), all lists
     are id lists, lists among other things are refused (vLLM 0.32 too), and anything else is one
-    prompt of ids ([1, "2"] is [1, 2]). A missing or empty one vLLM's validator refused already."""
+    prompt of ids ([1, "2"] is [1, 2]). A missing or empty one is refused in vLLM's validator's
+    words, where that did not run: a BOS alone would be served."""
+    if raw is None or raw == "":
+        raise ApiError(400, _NO_PROMPT, "prompt")
     if isinstance(raw, str):
         return [raw]
     if raw == []:
@@ -326,16 +334,19 @@ def _refuse_router_only(body: Mapping[str, Any]) -> None:
         )
 
 
-def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
+def parse_request(body: Any, *, chat: bool, vllm_only: bool = True) -> ParsedRequest:
     """Validate what the router reads of an OpenAI request body; ApiError(400) naming the
-    parameter for anything wrong. Everything else goes to the engine unread."""
+    parameter for anything wrong. Everything else goes to the engine unread. `vllm_only`: every
+    worker that may serve it is vLLM (RequestPath.vllm_only), so vLLM's own refusals of the body
+    are the router's too; else an engine that takes the body gets it."""
     if not isinstance(body, dict):
         raise ApiError(400, NOT_AN_OBJECT)
-    try:  # vLLM's model validators read the raw body before any field is typed
-        (check_chat_body if chat else check_completion_body)(body)
-    except ValidatorError as exc:
-        raise ApiError(400, exc.message, exc.param) from exc
-    _check_fields(body, chat)
+    if vllm_only:
+        try:  # vLLM's model validators read the raw body before any field is typed
+            (check_chat_body if chat else check_completion_body)(body)
+        except ValidatorError as exc:
+            raise ApiError(400, exc.message, exc.param) from exc
+    _check_fields(body, chat, vllm_only)
     _check_ints(body)
     messages = options = None
     prompts: list[str | list[int]] = []

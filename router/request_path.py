@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from opentelemetry.trace import Span
 
-from protocol import GenerateRequest, subjects
+from protocol import GenerateRequest, WorkerInfo, serving, subjects
 from protocol.messages import ANNOTATION_BYPASS, ResponseChunk
 from router.admission import Admission
 from router.disagg import RoutePlan
@@ -70,6 +70,7 @@ class RequestPath:
     # names that resolve to several models (router.served_names): not listed, and refused when planned
     clashes: Callable[[], Mapping[str, Mapping[str, Sequence[str]]]] = dict
     default_model: str | None = None
+    workers: Callable[[], Sequence[WorkerInfo]] = tuple  # the routed ones (WorkerRegistry.workers)
     ns: str = subjects.DEFAULT_NAMESPACE  # where the workers register: named when none has
     # worker records refused in etcd (key, why), of a model (None: all): named when they explain a 404
     refused: Callable[[str | None], Sequence[tuple[str, str]]] = lambda _model: ()
@@ -122,6 +123,16 @@ class RequestPath:
         if len(self._recent) > _RECENT_MAX:
             del self._recent[next(iter(self._recent))]
         return name
+
+    def vllm_only(self, name: Any) -> bool:
+        """Whether every worker a request naming `name` (its body's `model`, as sent) may run on is
+        a vLLM engine, so that the router may refuse what vLLM's model validators refuse
+        (request_parsing.parse_request): the workers serving that name (or the --model), else, for
+        no name or one none serves, the whole fleet. True with no worker: it answers as vLLM."""
+        fleet = self.workers()
+        named = name if isinstance(name, str) and name else self.default_model
+        theirs = serving(fleet, named) if named is not None else []
+        return all(info.engine == "vllm" for info in theirs or fleet)
 
     def served_lately(self) -> dict[str, str]:
         """The names requests resolved within RECENT_S, oldest first, each with its model."""

@@ -535,6 +535,7 @@ class RouterService:
             clashes=self.name_clashes,
             max_model_len=self.max_model_len,
             default_model=self.config.model,
+            workers=lambda: self._registry.workers() if self._registry is not None else [],
             ns=self.ns,
             refused=self._refused,
             left_at=self._left_at,

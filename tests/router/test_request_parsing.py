@@ -50,10 +50,46 @@ _NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (pa
         ([[1], []], "The decoder prompt cannot be empty", None),  # its engine's
     ],
 )
-def test_bad_prompts_are_400_in_vllms_words(prompt: Any, message: str, param: str | None) -> None:
+@pytest.mark.parametrize("vllm_only", [True, False])
+def test_bad_prompts_are_400_in_vllms_words(prompt: Any, message: str, param: str | None, vllm_only: bool) -> None:
+    """The same 400 whether vLLM's validators ran or not: where another engine serves the model,
+    a missing or empty prompt is still refused (a BOS alone would be served)."""
     with pytest.raises(ApiError) as err:
-        parse_request({"prompt": prompt}, chat=False)
+        parse_request({"prompt": prompt}, chat=False, vllm_only=vllm_only)
     assert (err.value.code, err.value.param, err.value.message) == (400, param, message)
+
+
+_M = [{"role": "user", "content": "hi"}]
+_VLLM_ALONE_REFUSES: list[tuple[dict[str, Any], str]] = [
+    # vLLM's model validators (protocol.vllm_validators); SGLang's models have none of them
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "Stream options can only be defined"),
+    ({"prompt": "hi", "cache_salt": "tenant/1"}, "Parameter 'cache_salt' must be at most 128 characters"),
+    ({"prompt": "hi", "cache_salt": "x" * 200}, "Parameter 'cache_salt' must be at most 128 characters"),
+    ({"prompt": ["a", "b"], "cache_salt": ["x", "y"]}, "Parameter 'cache_salt' must be a non-empty string"),
+    ({"prompt": "hi", "prompt_logprobs": "2"}, "`prompt_logprobs` must be an integer."),
+    ({"messages": _M, "tools": []}, "`tools` must not be an empty array."),
+    ({"messages": _M, "continue_final_message": True, "add_generation_prompt": True}, "Cannot set both"),
+    ({"messages": _M, "tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
+    ({"messages": _M, "top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true."),
+    ({"messages": _M, "response_format": {"type": "json_schema", "schema": {}}}, "the 'json_schema' field must be"),
+    # vLLM's model types vllm_xargs as a dict
+    ({"prompt": "hi", "vllm_xargs": "x"}, "Input should be a valid dictionary"),
+    ({"messages": _M, "vllm_xargs": ["x"]}, "Input should be a valid dictionary"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), _VLLM_ALONE_REFUSES)
+def test_what_vllm_alone_refuses_is_the_routers_400_only_where_vllm_alone_serves(
+    body: dict[str, Any], message: str
+) -> None:
+    """Where another engine may serve the model (SGLang takes these bodies), the body goes on as
+    sent, as before 2026-12-07; where vLLM alone serves it, vLLM's 400."""
+    chat = "messages" in body
+    parsed = parse_request(body, chat=chat, vllm_only=False)
+    assert parsed.params == body
+    with pytest.raises(ApiError) as err:
+        parse_request(body, chat=chat, vllm_only=True)
+    assert err.value.code == 400 and message in err.value.message, err.value.message
 
 
 @pytest.mark.parametrize(

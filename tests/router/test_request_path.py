@@ -8,6 +8,7 @@ import asyncio
 import time
 from typing import Any, cast
 
+import msgspec
 import pytest
 
 from protocol import GenerateRequest, WorkerInfo
@@ -204,3 +205,42 @@ def test_a_router_that_never_saw_a_worker_keeps_the_namespace_hint_on_its_503() 
     with pytest.raises(Unknown) as err:
         p.resolve_model(None)
     assert err.value.code == 503 and "--namespace is prod" in str(err.value), str(err.value)
+
+
+def _sglang(info: WorkerInfo) -> WorkerInfo:
+    return msgspec.structs.replace(info, engine="sglang")
+
+
+_FLEET = [
+    worker("v1", "agg", model="m"),
+    msgspec.structs.replace(worker("v2", "agg", model="m"), aliases=["m-alias"], adapters=["sql"]),
+    _sglang(worker("s1", "agg", model="s")),
+    _sglang(msgspec.structs.replace(worker("s2", "agg", model="s"), adapters=["s-lora"])),
+    worker("x1", "agg", model="mixed"),
+    _sglang(worker("x2", "agg", model="mixed")),
+]
+
+
+@pytest.mark.parametrize(
+    ("fleet", "default", "name", "vllm_only"),
+    [
+        (_FLEET, None, "m", True),
+        (_FLEET, None, "m-alias", True),
+        (_FLEET, None, "sql", True),
+        (_FLEET, None, "s", False),
+        (_FLEET, None, "s-lora", False),
+        (_FLEET, None, "mixed", False),  # one of its workers is SGLang
+        (_FLEET, "s", None, False),  # no name: the --model's
+        (_FLEET, "m", "", True),
+        (_FLEET, None, "nope", False),  # a name none serves: the whole fleet's, which is mixed
+        (_FLEET, None, 5, False),  # no name at all, as sent
+        (_FLEET[:2], None, "nope", True),
+        (_FLEET[:2], None, None, True),
+        ([], None, "m", True),  # no worker: answered as vLLM
+    ],
+)
+def test_vllms_own_refusals_apply_only_where_vllm_engines_alone_serve_the_name(
+    fleet: list[WorkerInfo], default: str | None, name: Any, vllm_only: bool
+) -> None:
+    p = path(fleet, Dispatcher(), default_model=default, workers=lambda: fleet)
+    assert p.vllm_only(name) is vllm_only
