@@ -67,6 +67,7 @@ from kvswitch.servers import (
 )
 from protocol import subjects
 from protocol.messages import RouterInfo, decode_json
+from protocol.timing import speed_profile
 
 log = logging.getLogger("kvswitch.cluster")
 
@@ -794,10 +795,14 @@ def shim_argv(spec: ClusterSpec, role: str, engine_url: str, events: str, replay
     over KVSWITCH_HTTP_HOST and KVSWITCH_HTTP_PORT: those are the router's too, and the one
     environment `kvswitch up` runs in is every child's (a port given to both made a shim's bind fail
     after NATS, etcd and the sims had started; a host beside every URL up printed as 127.0.0.1).
-    `spec.shim_args` come after these, and win (but for --max-num-batched-tokens, the sims')."""
+    `spec.shim_args` come after these, and win (but for --max-num-batched-tokens, the sims'). Its
+    --timing-profile is the sims' at their --speedup (`h200:llama-3.1-8b@10x`): the routers predict
+    and calibrate against the speed the engines run at (the profile's own made every shim fit
+    k_d = 1 / speedup, past the calibration's bound of 0.2 at 10x, and said so at WARNING)."""
     return [
         "shim", "--engine", "vllm", "--engine-url", engine_url, "--role", role, "--model", spec.model,
-        "--kv-events", events, "--kv-replay", replay, "--timing-profile", spec.profile,
+        "--kv-events", events, "--kv-replay", replay,
+        "--timing-profile", speed_profile(spec.profile, spec.speedup),
         "--http-host", "127.0.0.1", "--http-port", "0", *spec.shim_args,
         # vLLM does not report it; the router's prefill_load policy needs it, and it is the sims' own.
         "--max-num-batched-tokens", str(spec.max_num_batched_tokens),

@@ -2,7 +2,10 @@
 it for every step it runs, and the router's ttft_model policy predicts with the same functions.
 
 Profiles. A name `{table}:{model}` (WorkerInfo.timing_profile, `--profile`) names the table
-`protocol/profiles/{table}.json` and one of its `models`; `KVSWITCH_PROFILE_DIR` adds a directory
+`protocol/profiles/{table}.json` and one of its `models`; `{table}:{model}@{S}x` (`TimingModel.for_profile`
+and the names a shim registers, not `load_profile` or a sim's `--profile`) is that profile on an
+engine S times as fast, every time divided by S: what a sim at `--speedup S` runs, and what `kvswitch
+up` registers for it (`speed_profile`), so that routers predict its real speed; `KVSWITCH_PROFILE_DIR` adds a directory
 searched first, for operators' own tables in the same format (`load_profile` refuses a table the
 model cannot use, naming the file and the key: `kv_bytes_per_token_bf16` must be >= 1, and every
 row of a grid, the points at one `cached_tokens` or `context_tokens`, needs >= 2 points, a slope to
@@ -79,6 +82,7 @@ __all__ = [
     "mixed_marginals",
     "profile_dir",
     "profile_names",
+    "speed_profile",
 ]
 
 DEFAULT_PROFILE = "h200:llama-3.1-8b"
@@ -246,6 +250,30 @@ def load_profile(name: str = DEFAULT_PROFILE) -> ModelProfile:
     raise ValueError(f"unknown timing profile {name!r}; known: {', '.join(profile_names())}")
 
 
+def speed_profile(name: str, speedup: float) -> str:
+    """`name` on an engine `speedup` times as fast (`h200:llama-3.1-8b@10x`); `name` itself at 1."""
+    if not 0 < speedup < math.inf:
+        raise ValueError(f"a profile's speed-up must be a finite number > 0, got {speedup!r}")
+    if speedup == 1:
+        return name
+    short = f"{speedup:g}"
+    return f"{name}@{short if float(short) == speedup else repr(speedup)}x"
+
+
+def _split_speed(name: str) -> tuple[str, float]:
+    """`h200:llama-3.1-8b@10x` -> ("h200:llama-3.1-8b", 10.0); a name without `@` at speed 1."""
+    base, at, speed = name.rpartition("@")
+    if not at:
+        return name, 1.0
+    try:
+        factor = float(speed.removesuffix("x")) if speed.endswith("x") else math.nan
+    except ValueError:
+        factor = math.nan
+    if not 0 < factor < math.inf:
+        raise ValueError(f"timing profile {name!r}: after '@' give the engine's speed-up as a number > 0 and x (@10x)")
+    return base, factor
+
+
 @dataclass(frozen=True, slots=True)
 class MarginalFit:
     """marginal(n, c, B) = a*n + b*n*(c + n/2) + e*B*n, seconds."""
@@ -385,7 +413,8 @@ class TimingModel:
 
     @classmethod
     def for_profile(cls, name: str = DEFAULT_PROFILE) -> TimingModel:
-        """The shared model of a named profile; ValueError for an unknown name."""
+        """The shared model of a named profile, `@{S}x` at S times its speed (`scaled(1 / S)`);
+        ValueError for an unknown name."""
         return _model(name)
 
     def scaled(self, factor: float) -> TimingModel:
@@ -483,4 +512,5 @@ class TimingModel:
 
 @cache
 def _model(name: str) -> TimingModel:
-    return TimingModel(load_profile(name))
+    base, speedup = _split_speed(name)
+    return TimingModel(load_profile(base)) if speedup == 1 else _model(base).scaled(1 / speedup)

@@ -245,8 +245,10 @@ class WorkerTiming(msgspec.Struct, frozen=True):
         return self.prefill_scale * self.shape.marginal(new_tokens, cached_tokens, max(batch, 1))
 
     def transfer_s(self, tokens: int, gbps: float) -> float:
+        """KV of `tokens` over a link of `gbps` GB/s, at the profile's speed as TimingModel.transfer
+        (a sim at `--speedup S`, registered `@{S}x`, moves its KV S times as fast)."""
         per_token = self.kv_bytes_per_token or self.shape.profile.kv_bytes_per_token
-        return max(tokens, 0) * per_token / (gbps * 1e9)
+        return max(tokens, 0) * per_token / (gbps * 1e9) * self.shape.scale
 
     def queue_s(self, tokens: int) -> float:
         """The prefill of `tokens` queued on the worker: prompts, which do not attend to each

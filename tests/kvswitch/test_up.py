@@ -307,6 +307,29 @@ def test_the_shims_listen_on_loopback_at_a_free_port_whatever_the_environment_sa
     assert (shim.http_host, shim.http_port) == ("127.0.0.1", 0)
 
 
+@pytest.mark.parametrize("speedup", [1.0, 10.0, 2.5])
+def test_the_shims_register_the_sims_profile_at_their_speedup(speedup: float) -> None:
+    """Log audit: up's shims registered the profile's own times while the sims ran `--speedup` times
+    faster, so every router fitted k_d = 1 / speedup (past its bound at 10x, said at WARNING) and
+    predicted at the bound. The profile they register now reads as fast as the sims run."""
+    from kvswitch.cluster import shim_argv
+    from protocol.timing import TimingModel
+    from worker_shim.cli import add_arguments as shim_arguments
+    from worker_shim.cli import resolve_settings
+
+    parser = argparse.ArgumentParser()
+    shim_arguments(parser)
+    spec = ClusterSpec(agg=1, speedup=speedup)
+    argv = shim_argv(spec, "agg", "http://127.0.0.1:1", "tcp://127.0.0.1:2", "tcp://127.0.0.1:3")
+    shim, _, _ = resolve_settings(parser.parse_args(argv[1:]))
+    assert shim.timing_profile is not None
+    plain, registered = TimingModel.for_profile(spec.profile), TimingModel.for_profile(shim.timing_profile)
+    assert registered.prefill_time(4096, 0, budget=8192) == pytest.approx(
+        plain.prefill_time(4096, 0, budget=8192) / speedup
+    )
+    assert registered.decode(32, 2048) == pytest.approx(plain.decode(32, 2048) / speedup)
+
+
 def test_up_serves_with_the_http_port_variable_set_for_its_routers_and_shims() -> None:
     """Config review of 2026-12-07, finding 2: with KVSWITCH_HTTP_PORT set, every shim bound it (the
     second "address already in use", exit 2) after NATS, etcd and the sims had started; up exited 1."""

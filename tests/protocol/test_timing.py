@@ -21,6 +21,7 @@ from protocol.timing import (
     load_profile,
     mixed_marginals,
     profile_names,
+    speed_profile,
 )
 
 ROOT = Path(__file__).parents[2]
@@ -145,6 +146,35 @@ def test_scaled_model_multiplies_every_coefficient(factor: float) -> None:
 def test_scale_must_be_positive() -> None:
     with pytest.raises(ValueError, match="must be > 0"):
         TimingModel.for_profile(LLAMA).scaled(0.0)
+
+
+@pytest.mark.parametrize(("speedup", "name"), [(10.0, f"{LLAMA}@10x"), (2.5, f"{LLAMA}@2.5x"), (1 / 3, None)])
+def test_a_profile_at_a_speedup_divides_every_time_by_it(speedup: float, name: str | None) -> None:
+    """What a sim at --speedup S runs, and what `kvswitch up` registers for its shim: the routers
+    read it S times as fast as the profile."""
+    tm = TimingModel.for_profile(LLAMA)
+    named = speed_profile(LLAMA, speedup)
+    assert name is None or named == name
+    fast = TimingModel.for_profile(named)
+    assert fast.prefill(3000, 500) == pytest.approx(tm.prefill(3000, 500) / speedup)
+    assert fast.decode(48, 3000) == pytest.approx(tm.decode(48, 3000) / speedup)
+    assert fast.transfer(1000, 25.0) == pytest.approx(tm.transfer(1000, 25.0) / speedup)
+    assert fast.prefill_time(9000, 0, budget=2048, decode_batch=4, decode_context=300) == pytest.approx(
+        tm.prefill_time(9000, 0, budget=2048, decode_batch=4, decode_context=300) / speedup
+    )
+    assert fast.profile == tm.profile and tm.scale == 1.0
+
+
+def test_a_profile_at_speed_1_is_the_profile_and_bad_speeds_are_refused() -> None:
+    assert speed_profile(LLAMA, 1.0) == LLAMA
+    for speedup in (0.0, -2.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="finite number > 0"):
+            speed_profile(LLAMA, speedup)
+    for bad in ("@10", "@x", "@0x", "@-1x", "@infx", "@nanx", "@tenx"):
+        with pytest.raises(ValueError, match=r"after '@' give the engine's speed-up"):
+            TimingModel.for_profile(LLAMA + bad)
+    with pytest.raises(ValueError, match="unknown timing profile"):
+        TimingModel.for_profile("h200:no-such-model@10x")
 
 
 def test_unknown_profile_names_the_choices() -> None:

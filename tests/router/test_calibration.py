@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from protocol import LoadReport, WorkerInfo
-from protocol.timing import DEFAULT_PROFILE, TimingModel
+from protocol.timing import DEFAULT_PROFILE, TimingModel, speed_profile
 from router.calibration import (
     DROPPED_WARN_AFTER,
     MAX_SCALE,
@@ -675,6 +675,25 @@ def test_an_engine_past_the_bounds_is_said_once(caplog: pytest.LogCaptureFixture
     caplog.clear()
     _feed(Calibration(), SyntheticEngine(0.6, 2.0), 300)  # within the bounds: nothing to say
     assert not [r for r in caplog.records if "outside" in r.getMessage()]
+
+
+def test_a_sim_at_a_speedup_registered_at_it_fits_its_profile_and_says_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`kvswitch up --speedup 10` registers each shim's profile at 10x (`@10x`): against the plain
+    profile its sims fitted k_d = 0.1, past the bound, and every healthy run said so at WARNING."""
+    fast = speed_profile(DEFAULT_PROFILE, 10.0)
+    cal = Calibration()
+    assert _fitted(cal, _info(profile=fast)).prefill_s(8192) == pytest.approx(SHAPE.prefill(8192) / 10)
+    assert _fitted(cal, _info(profile=fast)).transfer_s(1000, 25.0) == pytest.approx(SHAPE.transfer(1000, 25.0) / 10)
+    _feed(cal, SyntheticEngine(0.1, 0.1), 3000, _info(profile=fast))
+    t = _fitted(cal, _info(profile=fast))
+    assert t.decode_scale == pytest.approx(1.0, rel=0.02) and t.prefill_scale == pytest.approx(1.0, rel=0.02)
+    assert t.decode_s(16, 4096) == pytest.approx(SHAPE.decode(16, 4096) / 10, rel=0.02)
+    assert cal.warm_s("w") > 60  # past CLAMP_WARN_BUSY_S: a fit out of bounds would have been said
+    assert not [r for r in caplog.records if "outside" in r.getMessage()]
+    _feed(Calibration(), SyntheticEngine(0.1, 0.1), 3000)  # the plain profile: the audit's line
+    assert [r for r in caplog.records if "outside" in r.getMessage() and "k_d=" in r.getMessage()]
 
 
 @pytest.mark.parametrize("at_finish", [False, True])
