@@ -412,9 +412,12 @@ def run_scenario(
     speedup: float = 5.0,
     seed: int = 0,
     keep: Callable[[ChaosResult], None] = lambda r: None,
+    log_dir: Path | None = None,
 ) -> ChaosResult:
     """One scenario on a cluster of its own, its result given to `keep` before the cluster stops: a
-    signal that stops the run there (held to the stop's end, bench.stop_signals) loses nothing."""
+    signal that stops the run there (held to the stop's end, bench.stop_signals) loses nothing.
+    With `log_dir`, every process's output is kept under `log_dir/<scenario>/` (else it goes with
+    the cluster)."""
     speedup = scenario.speedup or speedup
     if scenario.capacity_factor is not None:
         rate = scenario.capacity_factor * fleet_capacity(4, scenario.prompt_tokens or 1024, speedup)
@@ -422,6 +425,7 @@ def run_scenario(
         prefill=1, decode=3, routers=2, speedup=speedup, namespace="chaos" + uuid.uuid4().hex[:8],
         router_args=["--conditional-disagg"], sim_args=list(scenario.sim_args),
         shim_args=["--lease-ttl", str(LEASE_TTL_S)],
+        log_dir=log_dir / scenario.name if log_dir is not None else None,
     )  # fmt: skip
     cluster = LocalCluster(spec)
     try:
@@ -469,6 +473,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=float, default=20.0, help="seconds of load with the fault (>= 0)")
     parser.add_argument("--settle", type=float, default=8.0, help="seconds of load after healing (>= 0)")
     parser.add_argument("--out", default="bench/out", help="directory for the JSON results")
+    parser.add_argument(
+        "--log-dir", type=Path, help="keep every process's output, under DIR/<scenario>/ (default: none kept)"
+    )
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -498,7 +505,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"[chaos {name}] {SCENARIOS[name].what}", file=sys.stderr, flush=True)
             run_scenario(
                 SCENARIOS[name], rate=args.rate, warmup_s=args.warmup, window_s=args.window, settle_s=args.settle,
-                keep=saved.add,
+                keep=saved.add, log_dir=args.log_dir,
             )  # fmt: skip
             print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(format_table(results))

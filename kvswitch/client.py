@@ -167,7 +167,9 @@ class CompletionClient:
                 else:
                     await self._read_stream(resp, result, start, where=f"(request {request_id}, {url})")
         except (aiohttp.ClientError, TimeoutError) as exc:
-            result = Completion(ok=False, prompt_tokens=len(prompt), error=f"{type(exc).__name__}: {exc}")
+            # aiohttp's total timeout raises a bare TimeoutError, no text: say which one fired.
+            detail = str(exc) or (f"client timeout {self.timeout.total:g} s" if isinstance(exc, TimeoutError) else "")
+            result = Completion(ok=False, prompt_tokens=len(prompt), error=f"{type(exc).__name__}: {detail}")
         except HttpProcessingError as exc:  # a line past aiohttp's limit: not a ClientError
             error = f"malformed answer: {type(exc).__name__}: {exc.message} (request {request_id}, {url})"
             result = Completion(ok=False, prompt_tokens=len(prompt), error=error)

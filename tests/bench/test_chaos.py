@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 import time
+from pathlib import Path
 
+import pytest
+
+from bench import chaos
 from bench.chaos import MODEL, SCENARIOS, Chaos, Scenario, error_kind, format_table, run_scenario
 from kvswitch.client import CompletionClient
+from kvswitch.cluster import ClusterSpec
 
 
 def test_a_forged_batch_costs_no_request_and_the_index_stays_the_engines_truth() -> None:
@@ -76,3 +82,31 @@ def test_failures_are_counted_by_kind() -> None:
     assert error_kind(f"HTTP 503: {body}") == "HTTP 503: no worker could serve the request"
     assert error_kind("TimeoutError: ") == "TimeoutError: "
     assert error_kind('HTTP 502: {"error": cut sh') == 'HTTP 502: {"error": cut sh'
+
+
+def test_the_log_dir_keeps_each_scenarios_process_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Log audit: `bench chaos` started its clusters without a log_dir, so every process's output
+    went with the cluster and a failed scenario left nothing to read."""
+    started: list[ClusterSpec] = []
+
+    class NoCluster:
+        def __init__(self, spec: ClusterSpec) -> None:
+            started.append(spec)
+
+        def start(self) -> None:
+            raise RuntimeError("not started: the spec is what is checked")
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(chaos, "LocalCluster", NoCluster)
+    parser = argparse.ArgumentParser()
+    chaos.add_arguments(parser)
+    args = parser.parse_args(["--scenarios", "forged_seq", "--out", str(tmp_path), "--log-dir", str(tmp_path / "logs")])
+    with pytest.raises(RuntimeError, match="not started"):
+        chaos.run(args)
+    assert [s.log_dir for s in started] == [tmp_path / "logs" / "forged_seq"]
+    started.clear()
+    with pytest.raises(RuntimeError, match="not started"):
+        run_scenario(SCENARIOS["kill_decode_shim"])
+    assert [s.log_dir for s in started] == [None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -62,6 +63,31 @@ async def test_an_unreachable_server_is_a_failed_result(session: aiohttp.ClientS
     client = CompletionClient(session, "m")
     result = await client.complete(f"http://127.0.0.1:{free_port()}", [300, 301], 2, request_id="t-3")
     assert not result.ok and result.error is not None and "Connect" in result.error
+
+
+async def test_a_request_past_the_client_timeout_says_which_timeout(session: aiohttp.ClientSession) -> None:
+    """A chaos run printed `errors: {'TimeoutError: ': 4421}`: aiohttp's total timeout has no text."""
+    from kvswitch.servers import free_port
+
+    stalled = asyncio.Event()
+
+    async def stall(request: web.Request) -> web.StreamResponse:
+        await stalled.wait()
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", stall)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        client = CompletionClient(session, "m", timeout_s=0.2)
+        result = await client.complete(f"http://127.0.0.1:{port}", [300, 301], 2, request_id="t-9")
+    finally:
+        stalled.set()
+        await runner.cleanup()
+    assert not result.ok and result.error == "TimeoutError: client timeout 0.2 s"
 
 
 async def test_prefix_counters_count_a_repeated_prompt_as_hits(sim: SimServer, session: aiohttp.ClientSession) -> None:
