@@ -236,6 +236,7 @@ class LocalCluster:
         self._lock = threading.Lock()  # a restart against `stop` and `kill`
         self._stopping = False
         self._server_backoff: dict[str, _Backoff] = {}
+        self._servers_ok = True  # NATS and etcd all up and none exited, at the last `health`
 
     @property
     def sim_urls(self) -> list[str]:
@@ -785,7 +786,20 @@ class LocalCluster:
             parts.append("restarting=" + ",".join(restarting))
         if dead:
             parts.append("dead=" + ",".join(dead))
+        self._servers_ok = all(nats) and all(etcd) and not self.dead_server_names()
         return "health: " + " ".join(parts), all(nats) and all(etcd) and not dead and not restarting
+
+    def restarting_only(self, now: float, grace_s: float) -> bool:
+        """Whether all the last `health` found down are children restarting within their back-off:
+        waiting out its delay, or restarted under `grace_s` ago and not serving yet; NATS and etcd
+        all up, none dead or given up."""
+        for child in self.children:
+            state = child.state()
+            if state == "dead":
+                return False
+            if state == "restarting" and child.backoff.restart_at is None and now - child.backoff.started_at > grace_s:
+                return False
+        return self._servers_ok
 
 
 def shim_argv(spec: ClusterSpec, role: str, engine_url: str, events: str, replay: str) -> list[str]:

@@ -540,6 +540,10 @@ def _stand_ins(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         yield connection
 
 
+# How long a restarted child may take to serve again (a router's /ready) before it is down, not restarting.
+RESTART_GRACE_S = 30.0
+
+
 class _HealthLog:
     """What `kvswitch up` says of its cluster's health at each check: a change at once (a child or
     a server that died, with its exit status and last output), the same trouble again at most every
@@ -556,6 +560,7 @@ class _HealthLog:
         self._line = said  # the health line said last
         self._said_at = clock()
         self._held = 0
+        self._level = logging.ERROR  # the level it was said at
 
     def watch(self) -> None:
         """Say each new exit once, and restart what is due (cheap: no probe, for every tick)."""
@@ -605,19 +610,22 @@ class _HealthLog:
 
     def probe(self) -> None:
         """Say the cluster's health line when it changed, or the same trouble again at most every
-        `every_s` (`check` without `watch`)."""
+        `every_s` (`check` without `watch`). Children restarting within their back-off (and
+        RESTART_GRACE_S to serve again) are a WARNING: the restart is under way, and its exit was
+        said. An ERROR once any stays down past that, at once, or for anything else down."""
         (line, healthy), now = self.cluster.health(), self._clock()
-        if line != self._line:
+        level = logging.WARNING if self.cluster.restarting_only(now, RESTART_GRACE_S) else logging.ERROR
+        if line != self._line or (not healthy and level > self._level):
             if healthy:
                 log.info("healthy again: %s", line)
             else:
-                log.error("unhealthy: %s", line)
-            self._line, self._said_at, self._held = line, now, 0
+                log.log(level, "unhealthy: %s", line)
+            self._line, self._said_at, self._held, self._level = line, now, 0, level
         elif not healthy:
             self._held += 1
             if now - self._said_at >= self.every_s:
-                log.error("still unhealthy (%d checks in %.0fs): %s", self._held, now - self._said_at, line)
-                self._said_at, self._held = now, 0
+                log.log(level, "still unhealthy (%d checks in %.0fs): %s", self._held, now - self._said_at, line)
+                self._said_at, self._held, self._level = now, 0, level
 
 
 class _PartFaults:

@@ -752,3 +752,37 @@ def test_up_says_so_and_exits_1_when_its_stop_had_to_kill_a_child(
     assert _FakeCluster.made.stops == 1
     err = capsys.readouterr().err
     assert err.endswith(said), err
+
+
+def test_a_child_restarting_within_its_back_off_is_a_warning_and_an_error_only_once_it_stays_down(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Log audit: a plain router restart (SIGTERM, status 0) was `WARNING child exited` and then
+    `ERROR unhealthy: ... restarting=router-0`, an ERROR for a restart up was already doing."""
+    cluster = LocalCluster(ClusterSpec(log_dir=tmp_path, restart=RestartPolicy(first_s=0.05)))
+    now = [time.monotonic()]
+    try:
+        cluster.start()  # the servers alone
+        port = free_port()
+        child = cluster.spawn("router-0", ["sim", "--host", "127.0.0.1", "--port", str(port)])
+        child.probes = [f"http://127.0.0.1:{port}/health"]
+        child.serving = False
+        _until("serving", lambda: cluster.health()[1], timeout=60)
+        health = _HealthLog(cluster, cluster.health_line(), clock=lambda: now[0])
+        child.proc.terminate()
+        child.proc.wait(10)
+        with caplog.at_level(logging.INFO, logger="kvswitch.up"):
+            health.check()  # its exit, and the cluster waiting out its back-off
+            now[0] += 0.1
+            health.watch()  # restarted
+            child.probes = [f"http://127.0.0.1:{free_port()}/health"]  # and never serving again
+            health.probe()
+            assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+            said = [(r.levelno, r.getMessage()) for r in caplog.records if "unhealthy" in r.getMessage()]
+            assert said == [(logging.WARNING, "unhealthy: health: nats=ok etcd=ok children=0/1 up restarting=router-0")]
+            now[0] += kvswitch.up.RESTART_GRACE_S + 1  # down past its back-off and the grace to serve
+            health.probe()
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == ["unhealthy: health: nats=ok etcd=ok children=0/1 up restarting=router-0"]
+    finally:
+        cluster.stop()
