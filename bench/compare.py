@@ -136,10 +136,13 @@ class Measurement(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None  # virtual clock: the engines' (None: live, or a file from before 2026-12-06)
 
 
-def slo_router_args(slo: Slo) -> list[str]:
+def slo_router_args(slo: Slo, speedup: float = 1.0) -> list[str]:
     """The routers' flags for the SLO goodput is judged at, so that they protect that one (admission's
-    timeout and bound, `slo_aware`'s budgets) and not their defaults."""
-    return ["--slo-ttft-s", repr(slo.ttft_s), "--slo-itl-s", repr(slo.itl_s)]
+    timeout and bound, `slo_aware`'s budgets) and not their defaults. Live engines at `speedup` run
+    that much faster than the profile's seconds the SLO is judged in, and their shims register the
+    profile at that speed (kvswitch.cluster), so the routers, predicting in real seconds, are given
+    the SLO in real seconds too."""
+    return ["--slo-ttft-s", repr(slo.ttft_s / speedup), "--slo-itl-s", repr(slo.itl_s / speedup)]
 
 
 def _cluster_spec(spec: CompareSpec, config: Configuration) -> ClusterSpec:
@@ -151,7 +154,7 @@ def _cluster_spec(spec: CompareSpec, config: Configuration) -> ClusterSpec:
         routers=0 if config.peer is not None else spec.routers,
         speedup=spec.speedup,
         profile=spec.profile,
-        router_args=[*config.router_args, *slo_router_args(spec.slo)],
+        router_args=[*config.router_args, *slo_router_args(spec.slo, spec.speedup)],
         sim_args=list(spec.sim_args),
         namespace="bench" + uuid.uuid4().hex[:8],
         log_dir=spec.log_dir / config.name if spec.log_dir is not None else None,

@@ -175,7 +175,10 @@ def test_a_live_compare_starts_its_routers_with_the_slo(monkeypatch: pytest.Monk
     with pytest.raises(RuntimeError, match="not started"):
         run_compare(spec)
     settings = settings_from_args(started[0].router_args)  # the flags `kvswitch router` is given
-    assert (settings.slo_ttft_s, settings.slo_itl_s) == (1.0, 0.05)
+    # the engines run spec.speedup (10) times the profile's speed, and the routers predict in real
+    # seconds (the shims register the profile at that speed): the SLO in real seconds
+    assert spec.speedup == 10.0 and started[0].speedup == 10.0
+    assert (settings.slo_ttft_s, settings.slo_itl_s) == pytest.approx((0.1, 0.005))
     assert started[0].router_args[:-4] == list(CONFIGURATIONS["slo_aware"].router_args)
 
 
