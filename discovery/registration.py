@@ -78,6 +78,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import msgspec
 
@@ -467,12 +468,13 @@ class Registration:
                 # the revoke with it): its keys go with its TTL, so wait, as for etcd not answering.
                 log.warning("registering %s again waits for %s, its own lost lease, to expire; retrying in %.1fs",
                             exc.key, lost.hex_id, retry)  # fmt: skip
-                if self._on_answered is not None:
-                    self._on_answered(exc)
+                if (answered := self._on_answered) is not None and not self._told(partial(answered, exc), old):
+                    return False
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, RETRY_MAX_S)
             except DiscoveryError as exc:
-                self._retry_failed(old, exc, retry)
+                if not self._retry_failed(old, exc, retry):
+                    return False
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, RETRY_MAX_S)
             except Exception as exc:  # the owner's before_create
@@ -482,18 +484,19 @@ class Registration:
             return await self._tell(self._on_registered, self.id)
         return True
 
-    def _retry_failed(self, old: str, exc: DiscoveryError, retry_s: float) -> None:
-        """A try to register anew that etcd failed: told to the owner's on_failing, else said here."""
-        if self._on_failing is not None:
-            self._on_failing(exc, retry_s)
-            return
+    def _retry_failed(self, old: str, exc: DiscoveryError, retry_s: float) -> bool:
+        """A try to register anew that etcd failed: told to the owner's on_failing, else said here.
+        False where that hook raised (the registration failed)."""
+        if (failing := self._on_failing) is not None:
+            return self._told(partial(failing, exc, retry_s), old)
         if (said := self._failing(None)) is None:
-            return
+            return True
         held, ago = said
         more = f"; {held} more tries failed in {ago:.0f}s" if held else ""
         hint = f": {what}" if (what := advice(exc)) else ""
         log.warning("registering %s again failed (%s%s)%s; retrying at most %gs apart, said again at most every %.0fs",
                     self._key(old), exc, more, hint, RETRY_MAX_S, SAID_EVERY_S)  # fmt: skip
+        return True
 
     def _taken(self, exc: KeyTaken, what: str) -> None:
         """Another live lease holds our key or a claim: a second owner (the same name twice), which
@@ -507,6 +510,17 @@ class Registration:
         """Run an owner's hook; one that raises fails the registration (the owner must act)."""
         try:
             await hook(rid)
+        except Exception as exc:
+            self._hook_failed(rid, exc)
+            return False
+        return True
+
+    def _told(self, hook: Callable[[], None], rid: str) -> bool:
+        """Run an owner's synchronous hook as `_tell` runs one: one that raises fails the registration
+        (raised inside an except clause, it went past this one's and ended the round, and each round
+        after lost the lease anew, telling on_lost again)."""
+        try:
+            hook()
         except Exception as exc:
             self._hook_failed(rid, exc)
             return False

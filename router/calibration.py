@@ -500,9 +500,16 @@ class Calibration:
             self.forget(worker)
             self._profile[worker] = profile
         prev = self._last.get(worker)
-        if prev is not None and report.iterations < prev.iterations and report.ts <= prev.ts:
+        if (
+            prev is not None
+            and report.iterations < prev.iterations
+            and report.ts <= prev.ts
+            and report.kv_epoch == prev.kv_epoch
+        ):
             # Made before the last one, come late (reordered across a quarantine's subscription
-            # switch, or again): fewer iterations as a restarted engine's, but no restart.
+            # switch, or again): fewer iterations as a restarted engine's, but no restart. A
+            # restart is a new session of its shim, a new KV epoch, though the shim host's clock
+            # stepped back meanwhile.
             return
         if prev is None or report.iterations < prev.iterations:  # first report, or the engine restarted
             self._last[worker] = report

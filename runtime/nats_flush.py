@@ -50,10 +50,15 @@ async def _write_queued(nc: Client, timeout: float) -> None:
     # renamed method) nats-py's flusher task writes them soon, and a flush's PING may overtake them.
     write = getattr(nc, "_flush_pending", None)
     if write is not None:
+        # wait_for cancels it at the timeout, and nats-py's write swallows the cancellation and
+        # returns: the deadline, not an exception, says it ran out.
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
             await asyncio.wait_for(write(force_flush=True), timeout)
         except TimeoutError:
             raise FlushTimeoutError from None
+        if asyncio.get_running_loop().time() >= deadline:
+            raise FlushTimeoutError
 
 
 async def _flush(nc: Client, timeout: int) -> None:

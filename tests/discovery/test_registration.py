@@ -678,6 +678,47 @@ async def test_a_keep_alive_that_fails_with_its_revoke_waits_out_its_own_lease_a
         assert await reg.stop()
 
 
+async def test_an_on_answered_hook_that_raises_fails_the_registration_once(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A synchronous owner's hook (on_answered) raised inside the KeyTaken clause went past the
+    registration's own handling: the round ended as a failed tick, the next began the loss anew
+    (on_lost told again, every round) and `failed` was never set (review of f03192a)."""
+    from discovery.lease import Lease
+
+    real_stream = Lease._stream
+    failed: set[str] = set()
+
+    async def fails_once(self: Lease, interval: float) -> bool:
+        if "stream" not in failed:
+            failed.add("stream")
+            await asyncio.sleep(0.5)
+            raise RuntimeError("an unforeseen defect")
+        return await real_stream(self, interval)
+
+    async def revoke_fails(self: Lease, timeout: float) -> BaseException | None:
+        return TimeoutError()  # the old lease keeps the name: registering anew is answered KeyTaken
+
+    lost: list[str] = []
+
+    async def on_lost(rid: str) -> None:
+        lost.append(rid)
+
+    def on_answered(exc: KeyTaken) -> None:
+        raise RuntimeError("the owner's defect")
+
+    monkeypatch.setattr(Lease, "_stream", fails_once)
+    monkeypatch.setattr(Lease, "_revoke", revoke_fails)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=30, name="gpu-07", on_lost=on_lost, on_answered=on_answered)
+        await reg.start()
+        await _until(reg.failed.is_set, 10, "the registration failed")
+        await asyncio.sleep(1.0)  # rounds after it would tell on_lost again
+        assert reg.state is RegistrationState.FAILED and "the owner's hook failed" in str(reg.failure)
+        assert len(lost) == 1, lost
+        await reg.stop()
+
+
 async def test_a_stop_cancelled_while_its_supervisor_runs_on_still_revokes_the_lease(
     etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

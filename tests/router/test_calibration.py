@@ -213,6 +213,21 @@ def test_an_older_report_come_late_is_no_engine_restart() -> None:
     assert _fitted(reordered, info).decode_scale == _fitted(plain, info).decode_scale != 1.0
 
 
+def test_a_restart_while_the_shim_hosts_clock_stepped_back_is_a_restart() -> None:
+    """Fewer iterations and an older stamp, but a new KV epoch (the shim's new session with the
+    restarted engine): a restart, not a late report (review of ba7d33d)."""
+    info = _info()
+    cal = Calibration()
+    engine = SyntheticEngine(1.3, 1.0)
+    cal.observe(info, engine.report(running=1, context=4096))
+    for _ in range(5):
+        last = engine.interval(running=8, context=4096, prefill_tokens=0)
+        cal.observe(info, last)
+    restarted = msgspec.structs.replace(last, ts=last.ts - 2.0, iterations=0, kv_epoch=last.kv_epoch + 1)
+    cal.observe(info, restarted)
+    assert cal._last["w"] is restarted
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [("decode_context", math.inf), ("decode_context", math.nan), ("engine_ts", math.inf), ("engine_ts", math.nan),
