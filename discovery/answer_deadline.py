@@ -13,7 +13,10 @@ but no more than `seconds` in all, and never past `latest` (a lease's TTL, less 
 member). A busy loop's lag (timers late by a step or two, 0.15-0.3 s) is no such stall: re-waiting
 for it with no limit kept a busy shim on a hung member past its lease's TTL (a review of
 2026-12-07: 150 ms steps, 8 re-waits, never given up). It fails with TimeoutError when its timer
-fires on time or its re-waits are spent: etcd, not this process, did not answer. Its LATE_S is not
+fires on time: etcd, not this process, did not answer; with `StalledPast`, a TimeoutError naming
+the stall, when it fires late with no waiting left (its re-waits spent, or `latest` passed: a stall
+longer than a lease's TTL), for its owner to name the stall, not etcd (an audit of 2026-12-07: a
+shim stopped 10 s said "etcd does not answer" of its lease). Its LATE_S is not
 `runtime.loop_watch`'s (0.1 s, a stall of the router's loop for its peers' silence): here a timer
 must be late by as much as could have kept an answer unread.
 """
@@ -26,11 +29,20 @@ import logging
 import math
 from collections.abc import AsyncIterator
 
-__all__ = ["LATE_S", "RECHECK_S", "answer_within"]
+__all__ = ["LATE_S", "RECHECK_S", "StalledPast", "answer_within"]
 
 log = logging.getLogger(__name__)
 LATE_S = 0.5  # a timer this late (or half its wait) found the loop stalled, not busy: that lags a step
 RECHECK_S = 1.0  # after a stall: a request sent on waking, answered in a round trip
+
+
+class StalledPast(TimeoutError):
+    """The deadline came while this process stood still and no waiting was left: the answer missing
+    is its stall's, not etcd's. `stalled_s`: how late its timer fired, the stall's least length."""
+
+    def __init__(self, what: str, stalled_s: float) -> None:
+        self.stalled_s = stalled_s
+        super().__init__(f"{what}: this process was stalled {stalled_s:.1f}s or more through its deadline")
 
 
 @contextlib.asynccontextmanager
@@ -38,13 +50,20 @@ async def answer_within(seconds: float, what: str, latest: float | None = None) 
     """TimeoutError when the block runs for `seconds` of this process's waking time: the deadline
     moves on by RECHECK_S (at most `seconds`) each time its timer fires min(seconds / 2, LATE_S) or
     more late, with an INFO line naming `what` waits and how long the process was stalled; by
-    `seconds` in all at most, and never past `latest` (the loop's clock) when given."""
-    async with asyncio.timeout(None) as timeout:
-        deadline = _Deadline(timeout, seconds, latest, what)
-        try:
-            yield
-        finally:
-            deadline.handle.cancel()
+    `seconds` in all at most, and never past `latest` (the loop's clock) when given. StalledPast
+    when the timer that ends it fired that late."""
+    deadline: _Deadline | None = None
+    try:
+        async with asyncio.timeout(None) as timeout:
+            deadline = _Deadline(timeout, seconds, latest, what)
+            try:
+                yield
+            finally:
+                deadline.handle.cancel()
+    except TimeoutError:
+        if deadline is not None and deadline.stalled_s:  # set only as its own timer ended the block
+            raise StalledPast(what, deadline.stalled_s) from None
+        raise
 
 
 class _Deadline:
@@ -57,6 +76,7 @@ class _Deadline:
         self._spare = seconds  # re-waits left, in seconds
         self._latest = math.inf if latest is None else latest
         self._due = self._loop.time() + seconds
+        self.stalled_s = 0.0  # how late the timer that ended the block fired, when late enough for a stall
         self.handle = self._loop.call_at(self._due, self._expire)
 
     def _expire(self) -> None:
@@ -64,7 +84,8 @@ class _Deadline:
         late = now - self._due
         wait = min(self._recheck, self._spare, self._latest - now)
         if late < self._late or wait <= 0:
-            self._timeout.reschedule(now)  # cancels the block now: TimeoutError
+            self.stalled_s = late if late >= self._late else 0.0
+            self._timeout.reschedule(now)  # cancels the block now: TimeoutError (StalledPast when late)
             return
         log.info(
             "%s: this process was stalled %.1fs or more (not etcd): waiting %.2fs more for etcd's answer "

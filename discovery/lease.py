@@ -19,7 +19,7 @@ import grpc
 from etcd3aio import Etcd3Client, EtcdError
 from etcd3aio._protobuf import LeaseKeepAliveRequest, LeaseRevokeRequest, LeaseStub
 
-from discovery.answer_deadline import answer_within
+from discovery.answer_deadline import StalledPast, answer_within
 from discovery.auth_token import rejects_token
 from runtime import cancel_and_wait
 
@@ -94,6 +94,7 @@ class Lease:
         self.lost_reason = ""
         self.outages = 0
         self._state = LeaseState.ALIVE
+        self._stalled = False  # its state unknown was said as this process's stall, not etcd's silence
         self._revoked = False  # etcd said so (state REVOKED is set as the revoke begins: once is enough)
         self._renewed_at = time.monotonic()
         self._retry = RETRY_MIN_S
@@ -153,13 +154,31 @@ class Lease:
             await asyncio.sleep(self._retry)
             self._retry = min(self._retry * 2, RETRY_MAX_S, interval)
 
-    def _unreachable(self, why: str) -> None:
+    def _unreachable(self, why: str, stalled_s: float = 0.0) -> None:
+        """The state is unknown: said as etcd's silence, or as this process's stall (`stalled_s`: an
+        answer due while it stood still, StalledPast); one said as a stall is said again once etcd is
+        silent while the process is awake."""
+        said_now = self._state is LeaseState.ALIVE or (self._stalled and not stalled_s)
         if self._state is LeaseState.ALIVE:
             self.outages += 1
+        self._state = LeaseState.UNKNOWN
+        if not said_now:
+            return
+        self._stalled = bool(stalled_s)
+        if stalled_s:
+            # Not etcd's silence: until 2026-12-07 a shim stopped 10 s woke to "etcd does not answer"
+            # (the TTL left no re-wait: discovery.answer_deadline), sending its operator to the network.
+            log.warning(
+                "lease %s: this process was stalled %.1fs or more as etcd's answer came due (%s; not etcd): lease "
+                "state unknown, keeping on and retrying",
+                self.hex_id,
+                stalled_s,
+                why,
+            )
+        else:
             log.warning(
                 "lease %s: etcd does not answer (%s): lease state unknown, keeping on and retrying", self.hex_id, why
             )
-        self._state = LeaseState.UNKNOWN
 
     async def _stream(self, interval: float) -> bool:
         """Renew over one stream until it ends; True when given up for no answer in time."""
@@ -195,8 +214,9 @@ class Lease:
                         resp = await anext(answers)
                 except StopAsyncIteration:
                     return False
-                except TimeoutError:
-                    self._unreachable(f"no keep-alive answer in {wait:.1f}s")
+                except TimeoutError as exc:
+                    stalled = exc.stalled_s if isinstance(exc, StalledPast) else 0.0
+                    self._unreachable(f"no keep-alive answer in {wait:.1f}s", stalled)
                     self._given_up += 1
                     # Doubled from the last wait, not 2 ** given_up: after ~1,000 give-ups in a row
                     # that float overflowed and the keep-alive task died, the lease unknown for good.
@@ -207,8 +227,9 @@ class Lease:
                     self._mark_lost("etcd reports it expired")
                     return False
                 if self._state is LeaseState.UNKNOWN:
-                    log.info("lease %s: etcd answers again; the lease survived", self.hex_id)
-                self._state = LeaseState.ALIVE
+                    again = "renewed after this process's stall" if self._stalled else "etcd answers again"
+                    log.info("lease %s: %s; the lease survived", self.hex_id, again)
+                self._state, self._stalled = LeaseState.ALIVE, False
                 self._renewed_at = time.monotonic()
                 self._retry = RETRY_MIN_S
         finally:

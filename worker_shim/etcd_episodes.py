@@ -5,16 +5,20 @@ Two episodes, each of one session: it ends with the session (WorkerShim._end_ses
 /health says is never of an earlier one (until a review of 2026-12-07 it said "registering with
 etcd fails for 49 s" while etcd was up and the engine down, the episode begun in a session since
 ended). `RegisterFailures`: registering fails for etcd (not answering, refusing a write), retried
-every health_interval_s within the session, or with backoff to register anew after the lease's
-loss (Registration's on_failing; its on_answered ends the episode); until 2026-12-07 each try was
-a WARNING (about 3,000 lines an hour of etcd down per shim, a re-registration's every 5 s) that
-named no end, and a first registration's try a new session, which asked the engine for a full
-replay of its KV events each time. What to do is discovery.advice's: --etcd-endpoints only where
-etcd did not answer (it was named for a full etcd too). `CutOff`: etcd has not renewed the lease
-for longer than its TTL, so where routers still reach etcd (the shim alone cut off from it) the key
-is gone and no new request comes; the shim serves on what it is sent, the legs in flight included.
-It said "serving" and nothing else (the router says as much of itself on /ready). `stale_key`: the registered key's
-re-put that etcd keeps failing (Registration.put_trouble), its value stale meanwhile.
+every health_interval_s within the session, or with backoff to register anew after the lease's loss
+(Registration's on_failing; its on_answered ends the episode); until 2026-12-07 each try was a
+WARNING (about 3,000 lines an hour of etcd down per shim, a re-registration's every 5 s) that named
+no end, and a first registration's try a new session, which asked the engine for a full replay of
+its KV events each time. What to do is discovery.advice's: --etcd-endpoints only where etcd did not
+answer (it was named for a full etcd too). `CutOff`: etcd has not renewed the lease for longer than
+its TTL, so where routers still reach etcd (the shim alone cut off from it) the key is gone and no
+new request comes; the shim serves on what it is sent, the legs in flight included. It said
+"serving" and nothing else (the router says as much of itself on /ready). Where this process stood
+still for most of that time (runtime.loop_watch: awake for less than two renewal intervals of it, so
+no more than one renewal came due while it ran), the stall is named instead of etcd and the network
+(an audit of 2026-12-07: a shim stopped 10 s woke to "check the network to --etcd-endpoints").
+`stale_key`: the registered key's re-put that etcd keeps failing (Registration.put_trouble), its
+value stale meanwhile.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from discovery import DiscoveryError, Registration, RegistrationState, advice
+from discovery import DiscoveryError, Registration, RegistrationState, advice, renewal_interval
 from runtime import Throttle, clipped
 
 __all__ = ["SAID_EVERY_S", "CutOff", "RegisterFailures", "stale_key"]
@@ -110,22 +114,31 @@ def stale_key(reg: Registration | None) -> str:
 
 
 class CutOff:
-    """The lease unrenewed for longer than its TTL: said once, and its end."""
+    """The lease unrenewed for longer than its TTL: said once, and its end. `stalled_within(s)`: how
+    long this process stood still in the last s seconds (runtime.loop_watch; never, when None)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stalled_within: Callable[[float], float] | None = None) -> None:
         self._lease = ""  # the lease unrenewed, while the episode lasts
+        self._stalled_within = stalled_within
 
-    @staticmethod
-    def trouble(reg: Registration | None) -> str:
+    def trouble(self, reg: Registration | None) -> str:
         """What /health says while etcd has not renewed the lease for longer than its TTL; ""
         otherwise (etcd renewing it, or not for that long)."""
+        return self._read(reg)[0]
+
+    def _read(self, reg: Registration | None) -> tuple[str, bool]:
+        """The trouble, and whether a stall of this process, not etcd, kept the lease unrenewed."""
         unrenewed = reg.unrenewed_s if reg is not None else None
         if reg is None or unrenewed is None or unrenewed <= reg.ttl:
-            return ""
-        return (
-            f"etcd has not renewed this worker's lease for {unrenewed:.0f} s (TTL {reg.ttl} s): where routers "
-            "still reach etcd its key is gone and no new request comes here; the legs in flight run on"
-        )
+            return "", False
+        gone = "where routers still reach etcd its key is gone and no new request comes here; the legs in flight run on"
+        stalled = self._stalled_within(unrenewed) if self._stalled_within is not None else 0.0
+        if stalled and unrenewed - stalled < 2 * renewal_interval(reg.ttl):
+            return (
+                f"this process stalled {stalled:.1f} s of the {unrenewed:.0f} s etcd has not renewed this worker's "
+                f"lease (TTL {reg.ttl} s), not etcd or the network: its renewals waited unsent; {gone}"
+            ), True
+        return f"etcd has not renewed this worker's lease for {unrenewed:.0f} s (TTL {reg.ttl} s): {gone}", False
 
     def session_ended(self) -> None:
         """The session ends: its lease goes with it (revoked, or expiring), so an episode under way
@@ -136,10 +149,15 @@ class CutOff:
         """Say an episode's start and end (each health check: WorkerShim._monitor)."""
         if reg is None:
             return
-        if not self._lease and (why := self.trouble(reg)):
+        why, stalled = self._read(reg)
+        if not self._lease and why:
             assert reg.lease is not None  # unrenewed_s reads it
             self._lease = reg.lease.hex_id
-            log.warning("%s (check the network to --etcd-endpoints)", why)
+            log.warning(
+                "%s (%s)",
+                why,
+                "its event loop's WARNING says so" if stalled else "check the network to --etcd-endpoints",
+            )
         elif self._lease and reg.state is RegistrationState.REGISTERED and reg.lease is not None:
             if reg.lease.hex_id == self._lease:
                 log.info("etcd renews this worker's lease %s again: its key was kept", self._lease)

@@ -63,6 +63,7 @@ from protocol.errors import listen_error
 from protocol.hashing import block_hashes
 from protocol.version import BUILD
 from runtime import background, cancel_and_wait, clipped, ended, guarded
+from runtime.loop_watch import LoopWatch
 from runtime.nats_connect import refused_subscriptions
 from runtime.nats_flush import flush
 from runtime.nats_unsubscribe import unsubscribe
@@ -236,7 +237,10 @@ class WorkerShim:
         self.task_failures = dict.fromkeys(TASKS, 0)  # each logged at ERROR with its traceback
         self.registration_count = 0
         self.register_failures = RegisterFailures()  # each session's: _end_session ends it
-        self._cut_off = CutOff()
+        # Its stalls are no silence of etcd's (the lease's and the cut-off's lines name them), and one
+        # WARNING says each (until 2026-12-07 only the router watched its loop).
+        self.loop_watch = LoopWatch("this shim")
+        self._cut_off = CutOff(self.loop_watch.stalled_within)
         self.norm_stats = NormaliserStats()
         self.kv_counters = PublisherCounters()
         self.load_reports_sent = 0  # by every worker id this process registered
@@ -354,6 +358,7 @@ class WorkerShim:
             "the legs of routers that died are no longer cancelled until the shim restarts",
         )
         self.status = ShimStatus.WAITING_ENGINE
+        self.loop_watch.start()
         self._main = asyncio.create_task(self._supervise(), name="shim-supervisor")
 
     async def stop(self) -> None:
@@ -398,7 +403,7 @@ class WorkerShim:
             "prefix_credit_short": self.credit.short,
             "nats": self.nats_state,
             "etcd": lease.state.value if lease is not None else "none",
-            "etcd_why": CutOff.trouble(reg) or stale_key(reg) or self.register_failures.trouble(),
+            "etcd_why": self._cut_off.trouble(reg) or stale_key(reg) or self.register_failures.trouble(),
             "lease_unrenewed_s": None if (unrenewed := self.lease_unrenewed_s) is None else round(unrenewed, 1),
             "engine_url": self.config.engine_url,
             "retired_workers": sorted({p.worker for p in self._retired}),
@@ -1678,6 +1683,7 @@ class WorkerShim:
         # Those a session that ended before the stop left hearing cancels.
         await self._close_retired(timeout=UNSUB_STOP_S)
         await self._close_clients()
+        await self.loop_watch.stop()
         if self.status is not ShimStatus.FAILED:
             self.status = ShimStatus.STOPPED
         self.done.set()

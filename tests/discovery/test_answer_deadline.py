@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from discovery.answer_deadline import answer_within
+from discovery.answer_deadline import StalledPast, answer_within
 
 
 async def test_a_stall_through_the_deadline_waits_again_for_the_answer(caplog: pytest.LogCaptureFixture) -> None:
@@ -81,3 +81,22 @@ async def test_a_loop_stalling_again_and_again_waits_again_no_more_than_the_wait
 async def test_re_waits_end_by_latest() -> None:
     # A lease's: HURRY_S before its TTL, so another member may still renew it.
     assert await _hung_while_busy(0.25, 0.4, latest_in=0.5) < 0.5 + 0.5 + 2 * 0.25 + 0.2
+
+
+async def test_a_stall_past_latest_fails_naming_the_stall() -> None:
+    """A stall longer than a lease's TTL leaves no re-wait (`latest` passed): until 2026-12-07 its
+    plain TimeoutError read as etcd's silence ("etcd does not answer")."""
+    loop = asyncio.get_running_loop()
+    with pytest.raises(StalledPast) as raised:
+        async with answer_within(0.2, "lease 1", latest=loop.time() + 0.3):
+            time.sleep(0.5)  # the process stopped past its deadline and past `latest`
+            await asyncio.sleep(5)
+    assert raised.value.stalled_s >= 0.3 - 0.01
+    assert str(raised.value).startswith("lease 1: this process was stalled 0.")
+
+
+async def test_an_awake_process_timing_out_names_no_stall() -> None:
+    with pytest.raises(TimeoutError) as raised:
+        async with answer_within(0.2, "lease 1"):
+            await asyncio.sleep(5)
+    assert not isinstance(raised.value, StalledPast)

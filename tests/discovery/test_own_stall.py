@@ -51,3 +51,25 @@ async def test_a_lease_through_a_stall_of_its_process_sees_etcd_answering(
         assert lease.outages == 0 and lease.unrenewed_s < 1.5
     assert "etcd does not answer" not in caplog.text
     assert f"lease {lease.hex_id}: this process was stalled" in caplog.text
+
+
+async def test_a_lease_stalled_past_its_ttl_names_the_stall_not_etcd(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past the TTL no re-wait is left (the lease must try another member within it): until
+    2026-12-07 a shim stopped 10 s woke to "etcd does not answer" of its lease."""
+    caplog.set_level(logging.INFO)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        lease = await d.grant(ttl=2)  # renewed every 0.67 s, an answer waited for 1 s
+        before = lease.unrenewed_s
+        await asyncio.sleep(0.01)
+        while lease.unrenewed_s >= before:  # until just renewed
+            before = lease.unrenewed_s
+            await asyncio.sleep(0.01)
+        time.sleep(2.6)  # past the TTL: the renewals due meanwhile went unsent
+        await asyncio.sleep(0.5)
+        assert lease.outages == 1
+        await lease.stop_keep_alive()
+    warned = [r.getMessage() for r in caplog.records if r.name == "discovery.lease" and r.levelno >= logging.WARNING]
+    assert not any("etcd does not answer" in line for line in warned), warned
+    assert any(line.startswith(f"lease {lease.hex_id}: this process was stalled 1.") for line in warned), warned

@@ -166,6 +166,35 @@ def test_a_cut_off_ends_unsaid_with_its_session(caplog: pytest.LogCaptureFixture
     assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.parametrize(
+    ("stalled", "said"),
+    [
+        (
+            4.0,
+            "this process stalled 4.0 s of the 5 s etcd has not renewed this worker's lease (TTL 2 s), not etcd or "
+            "the network: its renewals waited unsent; where routers still reach etcd its key is gone and no new "
+            "request comes here; the legs in flight run on (its event loop's WARNING says so)",
+        ),
+        (  # awake 4 s, past two renewals (1.33 s): etcd's silence, whatever the stall
+            1.0,
+            "etcd has not renewed this worker's lease for 5 s (TTL 2 s): where routers still reach etcd its key is "
+            "gone and no new request comes here; the legs in flight run on (check the network to --etcd-endpoints)",
+        ),
+    ],
+)
+def test_a_cut_off_this_process_stalled_through_names_the_stall_not_the_network(
+    stalled: float, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shim stopped 10 s woke to "etcd has not renewed this worker's lease for 13 s ... (check the
+    network to --etcd-endpoints)" (audit of 2026-12-07)."""
+    caplog.set_level(logging.INFO, logger="worker_shim.etcd_episodes")
+    cut_off = CutOff(lambda seconds: min(seconds, stalled))
+    reg = cast(Registration, _Reg(0xA, 5.0))
+    cut_off.check(reg)
+    assert [r.getMessage() for r in caplog.records] == [said]
+    assert cut_off.trouble(reg) == said[: said.rindex(" (")]  # /health's etcd_why
+
+
 async def test_registering_with_etcd_down_retries_within_the_session_saying_it_once(
     etcd_relay: Relay, ns: str, nats_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
