@@ -45,7 +45,7 @@ from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
+from discovery import Discovery, DiscoveryError, KeyTaken, Lease, Registration, RegistrationState
 from protocol import (
     Cleared,
     ConfigError,
@@ -261,6 +261,10 @@ class WorkerShim:
         self._main: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._stop_task: asyncio.Task[None] | None = None
+        # What the stop did, for its last line (_say_stopped): legs drained and cut, and the worker's
+        # registration as it left (its id, its lease, whether that went), None where none was held.
+        self._drained = (0, 0)
+        self._left: tuple[str, Lease, bool | None] | None = None
         self._said: dict[str, None] = {}  # insertion-ordered: the oldest text is dropped first
         self._pending_said_at: float | None = None  # when a BindPending session was said at WARNING
         self._engine_load: EngineLoad | None = None  # the last usable reading of the engine's load
@@ -1609,11 +1613,16 @@ class WorkerShim:
             self.status = ShimStatus.DRAINING if self._stopping.is_set() else ShimStatus.WAITING_ENGINE
         self.registered.clear()
         if self._stopping.is_set() and self.requests is not None:
-            await self.requests.drain(self.config.drain_grace_s)
+            self._count_drained(await self.requests.drain(self.config.drain_grace_s))
         # First the registration (its task may be re-registering), then what it opened.
         registration, self.registration = self.registration, None
         if registration is not None:
-            await registration.stop()
+            lease = registration.lease
+            try:
+                await registration.stop()
+            finally:  # revoked None: the revoke cut short by a cancellation
+                if self._stopping.is_set() and lease is not None:
+                    self._left = (registration.id, lease, registration.revoked)
         # after stop(): no try of the session's comes later
         self.register_failures.session_ended(self._stopping.is_set())
         self._cut_off.session_ended()
@@ -1679,14 +1688,47 @@ class WorkerShim:
             with contextlib.suppress(asyncio.CancelledError):
                 await main
         if self.requests is not None:  # stopped between sessions, the legs a session's end left running
-            await self.requests.drain(self.config.drain_grace_s)  # are drained too, not cut at once
+            self._count_drained(await self.requests.drain(self.config.drain_grace_s))  # drained too, not cut
         # Those a session that ended before the stop left hearing cancels.
         await self._close_retired(timeout=UNSUB_STOP_S)
         await self._close_clients()
         await self.loop_watch.stop()
         if self.status is not ShimStatus.FAILED:
             self.status = ShimStatus.STOPPED
+        self._say_stopped()
         self.done.set()
+
+    def _count_drained(self, drained: tuple[int, int]) -> None:
+        self._drained = (self._drained[0] + drained[0], self._drained[1] + drained[1])
+
+    def _say_stopped(self) -> None:
+        """The stop's last line: the legs it drained and cut, and whether routers dropped the worker
+        at once (its lease revoked) or see its key until the TTL passes. Until 2026-12-07 a shim's
+        log ended at "SIGTERM: draining", its end unsaid."""
+        finished, cut = self._drained
+        legs = (
+            f"{finished + cut} legs drained, {cut} of them cut at --drain-grace-s"
+            if finished + cut
+            else "no leg in flight"
+        )
+        if self._left is None:
+            log.info("stopped, not registered (%s)", legs)
+            return
+        worker, lease, revoked = self._left
+        if revoked:
+            log.info(
+                "worker %s deregistered (lease %s %s), stopped (%s)", worker, lease.hex_id, lease.state.value, legs
+            )
+        else:
+            log.warning(
+                "worker %s stopped (%s), its lease %s not revoked (%s): routers see its key until its TTL (%d s) "
+                "passes",
+                worker,
+                legs,
+                lease.hex_id,
+                "the revoke was cut short" if revoked is None else "said above",
+                lease.ttl,
+            )
 
     async def _close_clients(self) -> None:
         await self.http.stop()

@@ -152,10 +152,14 @@ async def test_a_router_that_asks_no_early_handle_gets_it_at_once_and_the_prompt
     assert len(said) == 1 and "KV transfer failed" in said[0], said
 
 
-async def test_drain_waits_for_the_engines_prefills_within_its_grace(prefill: Prefill) -> None:
+async def test_drain_waits_for_the_engines_prefills_within_its_grace(
+    prefill: Prefill, caplog: pytest.LogCaptureFixture
+) -> None:
     """Until 2026-12-07 drain saw no SGLang prefill (each leg had ended with its handle) and the
-    shim closed its session under them: cut, never aborted."""
+    shim closed its session under them: cut, never aborted. Its end is said (the shim's log ended
+    at "draining N legs")."""
     p = prefill
+    caplog.set_level(logging.INFO, logger="worker_shim.request_service")
     for rid in ("r1", "r2"):
         await p.col.send(p.subject, gen(rid, PROMPT, early_transfer=True))
     await _held(p, "r1", "r2")
@@ -164,9 +168,12 @@ async def test_drain_waits_for_the_engines_prefills_within_its_grace(prefill: Pr
     assert not drain.done()
     for rid in ("r1", "r2"):
         p.engine.answer(rid)
-    await asyncio.wait_for(drain, 5)
+    assert await asyncio.wait_for(drain, 5) == (2, 0)  # finished, cut
     assert p.engine.aborted == []
     assert [(await p.col.final(rid)).finish_reason for rid in ("r1", "r2")] == ["length", "length"]
+    said = [r.getMessage() for r in caplog.records if "drain" in r.getMessage()]
+    assert said[0] == "draining 2 legs, up to 10s (--drain-grace-s)", said
+    assert len(said) == 2 and said[1].startswith("drained: the 2 legs finished in "), said
 
 
 async def test_drain_past_its_grace_aborts_the_engines_prefills(prefill: Prefill) -> None:
@@ -196,14 +203,14 @@ async def test_drain_says_what_it_waits_for_and_what_it_cuts_and_counts_the_cut(
     drain = asyncio.ensure_future(p.svc.drain(1.0))
     await asyncio.sleep(0.2)
     p.engine.answer("r2")  # ends within the grace: waited for, not cut
-    await asyncio.wait_for(drain, 5)
+    assert await asyncio.wait_for(drain, 5) == (1, 1)
     said = [(r.levelname, r.getMessage()) for r in caplog.records if "drain" in r.getMessage()]
     assert said == [
         ("INFO", "draining 2 legs, up to 1s (--drain-grace-s)"),
         (
             "WARNING",
             "1 legs still running after the 1s drain (--drain-grace-s): ended with 503 shutdown "
-            '(kvswitch_shim_requests_total{outcome="shutdown"})',
+            '(kvswitch_shim_requests_total{outcome="shutdown"}); 1 finished within it',
         ),
     ], said
     assert (await p.col.final("r2")).error is None

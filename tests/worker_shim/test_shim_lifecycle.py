@@ -274,3 +274,22 @@ async def test_a_kvstate_request_the_moment_the_key_exists_is_answered_from_the_
     monkeypatch.setattr(WorkerShim, "_on_registered", slow_registered)
     event, chunk = await _kvstate_at_first_sight(ns, nats_url, etcd_url, timeout=0.8)
     assert chunk.worker == event.name and chunk.epoch == event.value.epoch
+
+
+async def test_a_stop_ends_its_log_saying_the_worker_deregistered(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Until 2026-12-07 a shim's log ended at "SIGTERM: draining": whether it left the routers' view
+    (its lease revoked) went unsaid."""
+    caplog.set_level(logging.INFO)
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url)
+        async with shim:
+            await wait_for(shim.registered.is_set, what="registered")
+            worker = shim.worker_id
+        last = [r for r in caplog.records if r.name == "worker_shim.shim"][-1]
+        assert (last.levelname, last.getMessage()) == (
+            "INFO",
+            f"worker {worker} deregistered (lease {worker} revoked), stopped (no leg in flight)",
+        )
+        assert await registered_workers(etcd_url, ns) == set()
