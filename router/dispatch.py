@@ -114,6 +114,7 @@ from router.disagg import RoutePlan
 from router.eligibility import MALFORMED_COOLDOWN_S
 from router.fleet_lines import FleetLines, FleetLog
 from router.leg import MAX_ANSWER_BYTES, NO_LOCAL_PREFILL, SLOW_READER, Leg, LegError, time_up
+from router.leg_failures import LegFailures, brief
 from router.policies import Outcome, Path
 from router.prefill_watch import PrefillWatch
 from router.tracing import RequestTracer
@@ -378,6 +379,8 @@ class Dispatcher:
             fleet_log=fleet_log,
         )
         self._handle_mismatch_logged = False
+        self._failure_logs: list[LegFailures] = []
+        self._retried = self.leg_failures(log)  # retries before the first token, per worker and kind
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
@@ -387,6 +390,8 @@ class Dispatcher:
 
     async def stop(self) -> None:
         sub, self._sub = self._sub, None
+        for failures in self._failure_logs:
+            failures.close()
         for leg in list(self._legs.values()):
             leg.push(
                 LegError(leg.worker, 503, "router_stopping", "the router is stopping", retryable=False, role=leg.role)
@@ -442,6 +447,13 @@ class Dispatcher:
     def inflight_legs(self) -> int:
         return len(self._legs)
 
+    def leg_failures(self, logger: logging.Logger) -> LegFailures:
+        """Episodes of legs failing before their first output said on `logger`, ended as a worker
+        serves again or leaves, and as this dispatcher stops."""
+        failures = LegFailures(logger)
+        self._failure_logs.append(failures)
+        return failures
+
     def worker_gone(self, worker: str) -> None:
         """The worker's etcd key is gone. Its legs in flight go on: a shim that lost its lease
         serves its old id on for --reregister-grace-s (docs/worker_shim.md), and one that died sends
@@ -450,6 +462,8 @@ class Dispatcher:
         stall past its TTL, an etcd pause, a revoke)."""
         self.malformed_replies.pop(worker, None)
         self.refusals_overruled.pop(worker, None)
+        for failures in self._failure_logs:
+            failures.forget(worker)
 
     async def _on_reply(self, msg: Msg) -> None:
         token = msg.subject.rpartition(".")[2]
@@ -744,12 +758,16 @@ class Dispatcher:
                         yield held
                     raise
                 job.drop_held()  # the retry sends its own
-                log.warning(
-                    "request %s: %s before the first token; retrying on %s",
+                self._retried.failed(
+                    exc.worker,
+                    exc.kind,
                     job.request.request_id,
-                    exc,
+                    "request %s: worker %s: %s: %s before the first token; retrying on %s",
+                    job.request.request_id,
+                    exc.worker,
+                    exc.kind,
+                    brief(exc.message),
                     plan.decode.worker,
-                    extra={"request_id": job.request.request_id},
                 )
                 self.retries += 1
             finally:
@@ -939,6 +957,8 @@ class Dispatcher:
                             generated = leg.tokens_seen = True
                     if generated and job.first_token_at is None:
                         job.first_token_at = time.monotonic()
+                        for failures in self._failure_logs:
+                            failures.served(plan.decode.worker)
                         self._prefill_done(job)
                     elif chunk.prefilled:
                         self._prefill_done(job)  # a whole answer's prefill, done before any output

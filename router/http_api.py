@@ -89,6 +89,7 @@ from router.client_buffers import ROOM_RETRY_S, SLICE_BYTES, SPARE_BYTES, HeldAn
 from router.dispatch import Job
 from router.expectations import ExpectRoutes, expectations, send_continue
 from router.leg import LegError
+from router.leg_failures import brief
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.planner import PlanError
 from router.request_parsing import (
@@ -374,6 +375,26 @@ class _Handlers:
         self._unplanned = unplanned
         self.drain = drain
         self._route_shown = route_shown
+        self._failures = path.dispatcher.leg_failures(log)  # requests failed before their first output
+
+    def _failed_before_output(self, rid: str, exc: LegError) -> ApiError:
+        """The client's error for request `rid` (a completion's, or a /tokenize or /detokenize call's)
+        whose leg failed before its first output, said once as a stream that fails after it is: at
+        WARNING, at INFO for a request its engine refused (the client's fault, its answer the engine's
+        own) or turned away for now (its 408 or 429, `busy`: the fleet is full, counted in
+        kvswitch_router_engine_refusals_total, not a fault worth a WARNING per request). Until
+        2026-12-07 neither was said anywhere, a 504 at the deadline included (a utility call's, only its
+        retries). Not a slow reader, which the dispatcher said. A WARNING is said once per episode of
+        its worker and kind (router.leg_failures): a dead engine fails every request sent to it."""
+        failed = leg_error(exc)
+        msg = "request %s: failed before its first output (%s); the client got a %d"
+        if exc.slow_reader:
+            return failed
+        if exc.refused or exc.busy:
+            log.info(msg, rid, _leg_failure(exc), failed.code, extra={"request_id": rid})
+        else:
+            self._failures.failed(exc.worker, exc.kind, rid, msg, rid, _leg_failure(exc), failed.code)
+        return failed
 
     async def debug_index(self, request: web.Request) -> web.Response:
         return json_response(self._index_state())
@@ -450,7 +471,7 @@ class _Handlers:
             except PlanError as exc:
                 raise plan_error(exc) from exc
             except LegError as exc:
-                raise _failed_before_output(rid, exc) from exc
+                raise self._failed_before_output(rid, exc) from exc
             status = 200
             return web.Response(body=raw, content_type="application/json")
         except ApiError as exc:
@@ -675,7 +696,7 @@ class _Handlers:
                 if chunk.body:
                     parts.append(chunk.body)
         except LegError as exc:
-            raise _failed_before_output(job.request.request_id, exc) from exc
+            raise self._failed_before_output(job.request.request_id, exc) from exc
         body = _with_route(parts, _route_info(job) if shown else None)
         resp = web.StreamResponse(headers=_route_headers(job, ids, timing, shown=shown))
         resp.content_type = "application/json"
@@ -746,7 +767,7 @@ class _Handlers:
         try:
             first = await anext(chunks)
         except LegError as exc:
-            raise _failed_before_output(job.request.request_id, exc) from exc
+            raise self._failed_before_output(job.request.request_id, exc) from exc
         except StopAsyncIteration:
             raise ApiError(502, "the worker ended the stream without a chunk") from None
         headers = {
@@ -818,28 +839,7 @@ _SPAN_NAMES = {False: "POST /v1/completions", True: "POST /v1/chat/completions"}
 
 def _leg_failure(exc: LegError) -> str:
     """A failed leg for the log: its role, worker, kind and message."""
-    return f"{exc.role or 'its'} leg on worker {exc.worker}: {exc.kind}: {exc.message}"
-
-
-def _failed_before_output(rid: str, exc: LegError) -> ApiError:
-    """The client's error for request `rid` (a completion's, or a /tokenize or /detokenize call's)
-    whose leg failed before its first output, said once as a stream that fails after it is: at
-    WARNING, at INFO for a request its engine refused (the client's fault, its answer the engine's
-    own) or turned away for now (its 408 or 429, `busy`: the fleet is full, counted in
-    kvswitch_router_engine_refusals_total, not a fault worth a WARNING per request). Until
-    2026-12-07 neither was said anywhere, a 504 at the deadline included (a utility call's, only its
-    retries). Not a slow reader, which the dispatcher said."""
-    failed = leg_error(exc)
-    if not exc.slow_reader:
-        log.log(
-            logging.INFO if exc.refused or exc.busy else logging.WARNING,
-            "request %s: failed before its first output (%s); the client got a %d",
-            rid,
-            _leg_failure(exc),
-            failed.code,
-            extra={"request_id": rid},
-        )
-    return failed
+    return f"{exc.role or 'its'} leg on worker {exc.worker}: {exc.kind}: {brief(exc.message)}"
 
 
 def _abort(request: web.Request) -> None:

@@ -1,0 +1,130 @@
+"""Legs failing before their first output are said once per episode of a worker and failure kind
+(router.leg_failures): a dead engine failed every request sent to it with two WARNING lines each,
+aiohttp's whole ConnectionKey in each (log-quality audit of 2026-12-07)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import pytest
+
+from router.leg_failures import LegFailures, brief
+from tests.router.conftest import MODEL, Cluster
+
+REFUSED = (
+    "http://127.0.0.1:26508/v1/completions: ClientConnectorError(ConnectionKey(host='127.0.0.1', port=26508, "
+    "is_ssl=False, ssl=True, proxy=None, proxy_auth=None, proxy_headers_hash=None, server_hostname=None), "
+    "ConnectionRefusedError(111, \"Connect call failed ('127.0.0.1', 26508)\"))"
+)
+
+
+@pytest.mark.parametrize(
+    ("message", "said"),
+    [
+        (REFUSED, "connection refused 127.0.0.1:26508"),
+        (
+            "http://h:1/v1/completions: ClientConnectorError(ConnectionKey(host='h', port=1, is_ssl=False, ssl=True, "
+            "proxy=None), gaierror(-2, 'Name or service not known'))",
+            "cannot connect to h:1: Name or service not known",
+        ),
+        (
+            "http://127.0.0.1:26508/v1/completions: ClientOSError(104, 'Connection reset by peer')",
+            "http://127.0.0.1:26508/v1/completions: connection reset by peer",
+        ),
+        (
+            "http://127.0.0.1:26508/v1/completions: ServerDisconnectedError('Server disconnected')",
+            "http://127.0.0.1:26508/v1/completions: server disconnected",
+        ),
+        (
+            'http://127.0.0.1:26508/v1/completions: ClientPayloadError("Response payload is not completed: '
+            "<TransferEncodingError: 400, message='Not enough data to satisfy transfer length header.'>\")",
+            "http://127.0.0.1:26508/v1/completions: response payload is not completed",
+        ),
+        ("Internal server error (the tokenizer crashed)", "Internal server error (the tokenizer crashed)"),
+    ],
+)
+def test_an_aiohttp_error_is_cut_to_its_essence(message: str, said: str) -> None:
+    assert brief(message) == said
+
+
+def test_an_episode_is_said_once_then_counted_every_period_then_ended(caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    failures = LegFailures(logging.getLogger("router.test"), every_s=30.0, clock=lambda: now[0])
+    caplog.set_level(logging.DEBUG, logger="router.test")
+    for i in range(50):
+        failures.failed("w1", "engine_unavailable", f"r{i}", "request %s: it failed", f"r{i}")
+        now[0] += 1.0  # the 31st, 30 s after the first, says the count (no loop here: no timer)
+    failures.failed("w2", "engine_unavailable", "x", "request %s: it failed", "x")
+    failures.served("w1")
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.levelno >= logging.INFO]
+    assert said == [
+        (
+            logging.WARNING,
+            "request r0: it failed; further engine_unavailable failures on worker w1 are counted (said every 30s "
+            "at most) until it serves again",
+        ),
+        (
+            logging.WARNING,
+            "worker w1: 30 more legs failed with engine_unavailable before their first output in the last 30s "
+            "(31 since 30s ago)",
+        ),
+        (
+            logging.WARNING,
+            "request x: it failed; further engine_unavailable failures on worker w2 are counted (said every 30s "
+            "at most) until it serves again",
+        ),
+        (
+            logging.INFO,
+            "worker w1 serves again: 50 of its legs failed with engine_unavailable before their first output "
+            "over 50.0s",
+        ),
+    ]
+    assert [r.__dict__["request_id"] for r in caplog.records if r.levelno == logging.DEBUG][:2] == ["r1", "r2"]
+    failures.forget("w2")
+    assert caplog.records[-1].getMessage().startswith("worker w2 left: 1 of its legs failed with engine_unavailable")
+
+
+async def test_an_episode_with_no_failure_for_a_period_ends_on_its_timer(caplog: pytest.LogCaptureFixture) -> None:
+    failures = LegFailures(logging.getLogger("router.test"), every_s=0.05)
+    caplog.set_level(logging.INFO, logger="router.test")
+    failures.failed("w1", "timeout", "r1", "request %s: it failed", "r1")
+    failures.failed("w1", "timeout", "r2", "request %s: it failed", "r2")
+    await asyncio.sleep(0.2)
+    said = [r.getMessage() for r in caplog.records]
+    assert said[1:] == [
+        "worker w1: 1 more legs failed with timeout before their first output in the last 0s (2 since 0s ago)",
+        "worker w1 had no timeout failure for 0.05s: 2 of its legs failed with timeout before their first output "
+        "over 0.1s",
+    ], said
+
+
+async def test_requests_failing_on_dead_engines_are_said_once_per_worker(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    workers = [await cluster.add_worker("agg") for _ in range(2)]
+    router = await cluster.add_ready_router(disagg="never")
+    for w in workers:
+        await w.sim.stop()  # its port refuses: the shim's leg fails at connect, engine_unavailable
+    caplog.set_level(logging.DEBUG, logger="router")
+    caplog.clear()
+    codes = []
+    for _ in range(20):
+        body = {"model": MODEL, "prompt": "hello there", "max_tokens": 2}
+        async with http.post(router.url + "/v1/completions", json=body) as resp:
+            codes.append(resp.status)
+    assert codes == [503] * 20, codes
+    per_request = [
+        r for r in caplog.records if r.levelno == logging.DEBUG and "failed before its first output" in r.getMessage()
+    ]
+    assert len(per_request) >= 15, len(per_request)  # the first of each worker's episode at WARNING
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("router")]
+    engine_lines = [line for line in warned if "engine_unavailable" in line]
+    assert 1 <= len(engine_lines) <= 4, warned  # per worker: its retry's episode, its 503s'
+    assert all("ConnectionKey" not in line and "connection refused 127.0.0.1:" in line for line in engine_lines)
+    await router.stop()
+    ends = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "of its legs failed" in r.getMessage()
+    ]
+    assert ends and sum(int(e.split(": ")[1].split()[0]) for e in ends) >= 20, ends
