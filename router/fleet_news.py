@@ -188,10 +188,32 @@ class FleetNews:
                 seen.fleet_wide.add(reason)
                 log.warning(
                     "model %s: %d of its %d decode or agg workers went from routable to %s within %.1f s, a cause "
-                    "common to the fleet (NATS, the network, a setting pushed to every worker), not each "
-                    "worker's; %d take requests (logged once until no more than half are %s)",
-                    model, len(ats), len(pool), reason, now - min(ats), taking, reason,
+                    "common to the fleet (%s), not each worker's; %s (logged once until no more than half are %s)",
+                    model, len(ats), len(pool), reason, now - min(ats), _CAUSES.get(reason, _CAUSE),
+                    _taking(pool, taking), reason,
                 )  # fmt: skip
+
+
+# What more than half of a fleet going out for one reason at once points to, by reason; the others
+# are a setting or build every worker shares. Until 2026-12-07 every reason listed NATS first, an
+# engine_unhealthy fleet too, whose shims' reports NATS had just carried (log-quality audit).
+_CAUSE = "NATS, the network, a setting pushed to every worker"
+_CAUSES = {
+    Exclusion.SILENT: "NATS, the network, or this router's own host",
+    Exclusion.UNREACHABLE: "NATS or the network",
+    Exclusion.ENGINE_UNHEALTHY: "their engines or the hosts they run on: a shared GPU driver or model store, a "
+    "request that crashes every engine; not NATS, which carried their shims' word of it",
+    Exclusion.EVENTS_DOWN: "their engines' KV event streams (a setting pushed to every engine, the network)",
+    Exclusion.DRAINING: "a fleet restart or scale-down",
+}
+
+
+def _taking(pool: list[WorkerStatus], taking: int) -> str:
+    """How many of `pool` take requests, for a message: those left out softly take them only
+    while none is routable (`taking_requests`)."""
+    if taking and not any(st.routable for st in pool):
+        return f"none is routable: the {taking} engine_unhealthy ones take requests only because no other can"
+    return f"{taking} take requests"
 
 
 def _counts(by_reason: Counter[Exclusion]) -> str:

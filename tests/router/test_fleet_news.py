@@ -242,3 +242,28 @@ async def test_workers_that_stop_reporting_are_one_warning_naming_the_model_then
     assert f"model {model}: none of its 2 decode or agg workers" in said[0][1] and "silent: 2" in said[0][1], said
     assert all(w.id in said[0][1] for w in workers), said
     assert f"model {model}: 2 of its 2" in said[1][1] or f"model {model}: 1 of its 2" in said[1][1], said
+
+
+def test_a_fleet_gone_engine_unhealthy_names_its_engines_not_nats_and_says_why_it_still_takes_requests(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Until 2026-12-07: "2 of its 2 ... went from routable to engine_unhealthy ..., a cause common to
+    the fleet (NATS, the network, a setting pushed to every worker), ...; 2 take requests": NATS had
+    carried the shims' word, and 2 of 2 unhealthy taking requests read as a contradiction."""
+    caplog.set_level(logging.WARNING, logger="router.fleet_news")
+    news = FleetNews()
+    news.check(every(2, None), 0.0)
+    news.check(every(2, Exclusion.ENGINE_UNHEALTHY), 1.0)
+    ((level, text),) = lines(caplog)
+    assert (level, text) == (
+        "WARNING",
+        "model m: 2 of its 2 decode or agg workers went from routable to engine_unhealthy within 1.0 s, a cause "
+        "common to the fleet (their engines or the hosts they run on: a shared GPU driver or model store, a request "
+        "that crashes every engine; not NATS, which carried their shims' word of it), not each worker's; none is "
+        "routable: the 2 engine_unhealthy ones take requests only because no other can (logged once until no more "
+        "than half are engine_unhealthy)",
+    )
+    news.check(every(4, None), 2.0)
+    news.check(every(4, Exclusion.ENGINE_UNHEALTHY, first=3), 3.0)  # one routable: it alone takes them
+    ((_, text),) = lines(caplog)
+    assert "not NATS" in text and "; 1 take requests (logged once" in text, text
