@@ -234,6 +234,9 @@ class Eligibility:
         self.tokenizer = tokenizer
         self._same_tokenizer = same_tokenizer or (lambda fp: fp == tokenizer)
         self._added: dict[str, float] = {}
+        # The router's own NATS did not answer a round trip at the last fleet check (router.fleet_news):
+        # a silent worker's why says so, a hung NATS being the likelier cause
+        self.nats_unanswered = False
         self._unreachable: dict[str, tuple[float, str]] = {}  # worker -> (marked at, why)
         self._malformed: dict[str, tuple[float, str]] = {}  # worker -> (last malformed reply at, why)
         self._prefill_failing: dict[str, _PrefillEpisode] = {}
@@ -405,6 +408,8 @@ class Eligibility:
                 why = f"no load report in {now - self._added.get(w, now):.1f}s since it registered{self._quarantine(w)}"
             else:
                 why = f"last load report {live.age_s:.1f}s ago (period {live.period_s:g}s){self._quarantine(w)}"
+            if self.nats_unanswered:
+                why += "; this router's own NATS connection does not answer either"
             return WorkerStatus(w, info.model, info.role, Exclusion.SILENT, why, tok_ok)
         mark = self._unreachable.get(w)
         if mark is not None:

@@ -38,6 +38,13 @@ request), with the longest report period among them:
   of 2 s reporters cut at once was never said (review of 2026-12-06). A model that no longer has
   any worker taking requests says so instead.
 
+Silence in bulk: a hung NATS (SIGSTOP) stops every load report, and the router, whose own
+connection notices only at nats-py's next unanswered PING (5 s), read its fleet as `silent` and said
+so, its clients' 503s too (log-quality audit of 2026-12-07). So when more than half of the decode or
+agg workers are silent or unreachable (`mostly_silent`), RouterService first asks its own NATS
+connection for a round trip (`nats_answers`, NATS_PROBE_S at most) and passes a failed one to
+`check`, whose lines for silent or unreachable workers then name NATS as the likely cause.
+
 Each check also keeps its figures by model, for /metrics (`routable`, `excluded`: a scrape reads
 them, it computes no status): the decode and agg workers taking requests, and those left out by
 reason, only the reasons present. A model gone from the check is gone from them, but one whose
@@ -51,10 +58,22 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from nats.aio.client import Client
+
 from router.eligibility import DEFAULT_PERIOD_S, SILENT_PERIODS, Exclusion, WorkerStatus, name_few, taking_requests
 from router.request_path import RECENT_S
+from runtime.nats_flush import flush
 
-__all__ = ["BOOTSTRAP_GRACE_S", "CHECK_S", "DEPARTED_AT_MOST", "WINDOW_CHECKS", "FleetNews"]
+__all__ = [
+    "BOOTSTRAP_GRACE_S",
+    "CHECK_S",
+    "DEPARTED_AT_MOST",
+    "NATS_PROBE_S",
+    "WINDOW_CHECKS",
+    "FleetNews",
+    "mostly_silent",
+    "nats_answers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +81,24 @@ CHECK_S = 1.0  # how often RouterService checks
 BOOTSTRAP_GRACE_S = 30.0  # a model's workers all bootstrapping: how long before that is said
 WINDOW_CHECKS = 3  # the fleet-wide window is at least this many checks
 DEPARTED_AT_MOST = 64  # models with no decode or agg worker left that are followed until one returns
+NATS_PROBE_S = 1  # how long the router's own NATS round trip may take when its fleet goes silent
+_UNHEARD = (Exclusion.SILENT, Exclusion.UNREACHABLE)
+
+
+def mostly_silent(statuses: Iterable[WorkerStatus]) -> bool:
+    """More than half of the decode and agg workers in `statuses` are silent or unreachable."""
+    pool = [st for st in statuses if st.role != "prefill" and st.exclusion is not Exclusion.CONTEXT_CONFLICT]
+    return 2 * sum(st.exclusion in _UNHEARD for st in pool) > len(pool)
+
+
+async def nats_answers(nc: Client, timeout_s: int = NATS_PROBE_S) -> bool:
+    """Whether `nc`'s server answers a PING within `timeout_s`: a hung one (stopped, or the network
+    to it dropping packets) leaves the connection up until nats-py's own PINGs go unanswered."""
+    try:
+        await flush(nc, timeout_s)
+    except Exception:  # timed out, or the connection is down or closed: no answer either way
+        return False
+    return True
 
 
 @dataclass(slots=True)
@@ -84,11 +121,21 @@ class FleetNews:
         # never the statuses, and a model or reason gone since is gone from them.
         self.routable: dict[str, int] = {}  # model -> its decode or agg workers taking requests
         self.excluded: dict[str, Counter[Exclusion]] = {}  # model -> its decode or agg workers left out, by reason
+        self._nats_unanswered = False  # the check's: the router's NATS did not answer (nats_answers)
 
-    def check(self, statuses: Iterable[WorkerStatus], now: float, period_s: float = DEFAULT_PERIOD_S) -> None:
+    def check(
+        self,
+        statuses: Iterable[WorkerStatus],
+        now: float,
+        period_s: float = DEFAULT_PERIOD_S,
+        *,
+        nats_unanswered: bool = False,
+    ) -> None:
         """Say what began or ended since the last check, of the models in `statuses` (the workers
         /ready counts, as `Eligibility.statuses` reads them at monotonic `now`). `period_s`: the
-        longest report period among them."""
+        longest report period among them; `nats_unanswered`: the router's own NATS connection did
+        not answer a round trip just now (`nats_answers`)."""
+        self._nats_unanswered = nats_unanswered
         pools: dict[str, list[WorkerStatus]] = {}
         prefill: Counter[str] = Counter()
         unrouted: Counter[str] = Counter()  # model -> its context_conflict workers: in the figures, not the rules
@@ -156,12 +203,13 @@ class FleetNews:
                 seen.said_down = True
                 named, more = name_few(out)
                 log.warning(
-                    "model %s: none of its %d decode or agg workers can take requests (%s), so every request for "
+                    "model %s: none of its %d decode or agg workers can take requests (%s)%s, so every request for "
                     "it is refused (503) until one can: %s%s (logged once until one can; /debug/workers has each "
                     "with why)",
                     model,
                     len(pool),
                     _counts(by_reason),
+                    self._nats_said(by_reason),
                     ", ".join(f"{st.worker} ({st.exclusion})" for st in named),
                     f" and {len(more)} more" if more else "",
                 )
@@ -188,10 +236,19 @@ class FleetNews:
                 seen.fleet_wide.add(reason)
                 log.warning(
                     "model %s: %d of its %d decode or agg workers went from routable to %s within %.1f s, a cause "
-                    "common to the fleet (%s), not each worker's; %s (logged once until no more than half are %s)",
+                    "common to the fleet (%s)%s, not each worker's; %s (logged once until no more than half are %s)",
                     model, len(ats), len(pool), reason, now - min(ats), _CAUSES.get(reason, _CAUSE),
-                    _taking(pool, taking), reason,
+                    self._nats_said({reason: 1}), _taking(pool, taking), reason,
                 )  # fmt: skip
+
+    def _nats_said(self, by_reason: dict[Exclusion, int]) -> str:
+        """What a line on workers left out for `by_reason` adds when the router's NATS did not answer."""
+        if not self._nats_unanswered or not any(r in _UNHEARD for r in by_reason):
+            return ""
+        return (
+            f"; this router's own NATS connection did not answer a round trip within {NATS_PROBE_S}s either: "
+            "NATS (hung, or the network to it), not the workers, is the likely cause"
+        )
 
 
 # What more than half of a fleet going out for one reason at once points to, by reason; the others

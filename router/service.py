@@ -70,7 +70,7 @@ from router.eligibility import (
 )
 from router.fingerprint_days import FingerprintDays
 from router.fleet_lines import NAMED_AT_MOST, FirstSaid, FleetLines, FleetLog
-from router.fleet_news import CHECK_S, FleetNews
+from router.fleet_news import CHECK_S, FleetNews, mostly_silent, nats_answers
 from router.gap_repair import FailureKind
 from router.http_api import Drain, HttpLimits, make_app
 from router.ingest_stats import IngestStats
@@ -1125,7 +1125,12 @@ class RouterService:
                 self.unheard.check([info.worker for info in registered])
                 lives = [live for info in counted if (live := self.view.liveness(info.worker)) is not None]
                 longest = max((live.period_s for live in lives), default=DEFAULT_PERIOD_S)
-                self.fleet_news.check(self._statuses(counted), time.monotonic(), longest)
+                statuses = self._statuses(counted)
+                # Workers silent in bulk may be NATS hung under this router: ask it before saying so.
+                nc = self._load_nc or self._nc
+                unanswered = mostly_silent(statuses) and nc is not None and not await nats_answers(nc)
+                self.eligibility.nats_unanswered = unanswered  # a silent worker's why says it (a 503's)
+                self.fleet_news.check(statuses, time.monotonic(), longest, nats_unanswered=unanswered)
 
     async def _await_registry(self) -> None:
         while not await self.registry.wait_ready(3600.0):

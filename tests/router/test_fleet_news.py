@@ -267,3 +267,31 @@ def test_a_fleet_gone_engine_unhealthy_names_its_engines_not_nats_and_says_why_i
     news.check(every(4, Exclusion.ENGINE_UNHEALTHY, first=3), 3.0)  # one routable: it alone takes them
     ((_, text),) = lines(caplog)
     assert "not NATS" in text and "; 1 take requests (logged once" in text, text
+
+
+def test_a_fleet_silent_while_the_routers_own_nats_does_not_answer_names_nats(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="router.fleet_news")
+    nats_said = (
+        "; this router's own NATS connection did not answer a round trip within 1s either: NATS (hung, or the "
+        "network to it), not the workers, is the likely cause"
+    )
+    news = FleetNews()
+    news.check(every(2, None), 0.0)
+    news.check(every(2, Exclusion.SILENT), 1.0, nats_unanswered=True)
+    ((_, text),) = lines(caplog)
+    assert f"none of its 2 decode or agg workers can take requests (silent: 2){nats_said}, so every" in text, text
+    news = FleetNews()
+    news.check(every(4, None), 0.0)
+    news.check(every(4, Exclusion.SILENT, first=3), 1.0, nats_unanswered=True)
+    ((_, text),) = lines(caplog)
+    assert (
+        f"went from routable to silent within 1.0 s, a cause common to the fleet (NATS, the network, or this "
+        f"router's own host){nats_said}, not each worker's; 1 take requests" in text
+    ), text
+    news = FleetNews()
+    news.check(every(4, None), 0.0)
+    news.check(every(4, Exclusion.SILENT, first=3), 1.0)  # it answered
+    ((_, text),) = lines(caplog)
+    assert "round trip" not in text, text

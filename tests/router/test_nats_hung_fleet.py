@@ -1,0 +1,71 @@
+"""A hung NATS (SIGSTOP) silences every worker's load reports while this router's own connection
+stays up until nats-py's PINGs go unanswered (5 s): the fleet was said silent, its workers at fault,
+and the clients' 503s read "silent (last load report 4.8s ago ...)" (log-quality audit of
+2026-12-07). Now the router asks its own NATS for a round trip when most workers go silent, and
+names NATS when it does not answer (router.fleet_news)."""
+
+from __future__ import annotations
+
+import logging
+
+import aiohttp
+import nats
+import pytest
+
+from kvswitch.servers import NatsServer
+from router.fleet_news import nats_answers
+from tests.router.conftest import MODEL, Cluster
+from tests.router.polling import until
+from tests.runtime.frozen import frozen
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] == "T"
+
+
+async def test_a_frozen_nats_server_does_not_answer_the_probe_and_a_live_one_does() -> None:
+    with NatsServer() as server:
+        assert server.proc is not None
+        pid = server.proc.pid
+        nc = await nats.connect(server.url)
+        try:
+            assert await nats_answers(nc)
+            with frozen(pid):
+                await until(lambda: _stopped(pid), what="nats-server stopped")  # SIGSTOP lands late
+                assert not await nats_answers(nc)
+            assert await nats_answers(nc)  # the late PONG did not break the connection's reading
+        finally:
+            await nc.close()
+
+
+async def test_a_fleet_silent_under_a_hung_nats_is_said_to_be_nats(
+    etcd_url: str, ns: str, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    with NatsServer() as server:
+        assert server.proc is not None
+        pid = server.proc.pid
+        cluster = Cluster(ns, server.url, etcd_url)
+        try:
+            for _ in range(2):
+                await cluster.add_worker("agg")
+            router = await cluster.add_ready_router(disagg="never")
+            caplog.set_level(logging.WARNING, logger="router.fleet_news")
+            caplog.clear()
+            with frozen(pid):  # load reports stop at 0.5 s periods: silent after 1.5 s
+                await until(
+                    lambda: any("can take requests" in r.getMessage() for r in caplog.records),
+                    timeout=8.0,  # before nats-py's own PINGs (5 s, two unanswered) drop the connection
+                    what="the fleet said down",
+                )
+                body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+                async with http.post(router.url + "/v1/completions", json=body) as resp:
+                    status, text = resp.status, await resp.text()
+            (line,) = [r.getMessage() for r in caplog.records if "can take requests" in r.getMessage()]
+            assert (
+                "(silent: 2); this router's own NATS connection did not answer a round trip within 1s either: " in line
+            )
+            assert "NATS (hung, or the network to it), not the workers, is the likely cause" in line, line
+            assert status == 503 and "this router's own NATS connection does not answer either" in text, text
+        finally:
+            await cluster.close()
