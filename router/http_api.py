@@ -301,10 +301,11 @@ class Drain:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def finish(self, limit_s: float) -> int:
+    async def finish(self, limit_s: float) -> tuple[int, int]:
         """Refuse new requests, let those in flight run up to `limit_s`, then cut the rest; how many
-        were cut."""
+        finished on their own and how many were cut."""
         self.draining = True
+        running = len(self._running)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(limit_s):
                 await self._idle.wait()
@@ -316,7 +317,7 @@ class Drain:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_CUT_S):
                     await self._idle.wait()
-        return cut
+        return running - cut, cut
 
     def ended(self) -> bool:
         """In a handler's `except CancelledError`: True when the drain cut it, which then goes on to

@@ -670,10 +670,18 @@ class RouterService:
             # The listener stays open meanwhile: a client (or a load balancer that has not yet
             # dropped this router) gets a 503 to retry elsewhere, not a refused connection.
             with steps:
-                if cut := await self._drain.finish(self.config.drain_s):
+                began = time.monotonic()
+                finished, cut = await self._drain.finish(self.config.drain_s)
+                if cut:
                     log.warning(
                         "%d requests still running after the %gs drain: ended with a 503", cut, self.config.drain_s
                     )
+                log.info(
+                    "drained in %.1fs: %d requests finished, %d cut (answered 503, or an error event)",
+                    time.monotonic() - began,
+                    finished,
+                    cut,
+                )
             with steps:
                 await runner.cleanup()
         with steps:
@@ -726,6 +734,8 @@ class RouterService:
         self._load_nc = self._kv_nc = self._kvstate_nc = self._nc = None
         self.fleet_log.flush()  # its windows' timers never fire now
         self.status = RouterStatus.STOPPED
+        # Its log's last line: until 2026-12-07 it ended at "draining", the stop's end unsaid
+        log.info("router %s stopped%s", self.router_id, " (a cancellation cut a step short)" if steps.cut else "")
         steps.end()
 
     async def serve(self, stop: asyncio.Event) -> int:

@@ -98,10 +98,11 @@ async def test_at_the_end_of_the_drain_a_stream_gets_an_error_event_and_done_and
     assert legs is not None
     await until(lambda: len(legs.inflight) == 2, what="both requests on the worker")
 
-    with caplog.at_level(logging.WARNING, logger="kvswitch.router"):
+    with caplog.at_level(logging.INFO, logger="router.service"):
         await asyncio.wait_for(await _stopping(router), 30)
     # the operator's log says what the drain cut
     assert "2 requests still running after the 1s drain: ended with a 503" in caplog.text
+    assert "s: 0 requests finished, 2 cut (answered 503, or an error event)" in caplog.text
 
     events = await _events(stream)
     assert events[-1:] == [b"[DONE]"], events[-3:]
@@ -133,3 +134,27 @@ async def test_a_whole_answer_its_client_does_not_read_is_cut_at_the_drains_end(
         await cut_short(sock)
     finally:
         sock.close()
+
+
+async def test_the_drains_end_and_the_stop_are_said_last(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Until 2026-12-07 a router's log ended at "draining": neither how the drain ended nor that the
+    stop was done (its lease revoked, its connections closed) was said."""
+    await cluster.add_worker("agg", speedup=4.0)
+    router = await cluster.add_ready_router()
+    resp = await _long_stream(http, router, 100)
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    stopping = await _stopping(router)
+    events = await _events(resp)
+    assert events[-1] == b"[DONE]" and b'"error"' not in b"".join(events)
+    await asyncio.wait_for(stopping, 30)
+    said = [r.getMessage() for r in caplog.records if r.name == "router.service"]
+    assert said[-1] == f"router {router.router_id} stopped", said
+    (drained,) = [line for line in said if line.startswith("drained in ")]
+    assert drained.endswith("s: 1 requests finished, 0 cut (answered 503, or an error event)"), drained
+    assert said.index(drained) < len(said) - 1
+    revoked = [i for i, r in enumerate(caplog.records) if r.name.startswith("discovery") and "revoke" in r.getMessage()]
+    stopped = next(i for i, r in enumerate(caplog.records) if r.getMessage() == said[-1])
+    assert all(i < stopped for i in revoked), [r.getMessage() for r in caplog.records]
