@@ -28,6 +28,11 @@ after a fleet restart, with the same thing to say, is not news.
 registered worker and kind, and, of a sender with no record (anyone may publish on a subject of
 any name), once in a while each for a bounded number at a time, so that names minted by the
 thousand neither grow a router's memory nor silence the next stranger's line.
+
+`FirstHeard` is when each sender with no record was first heard: a shim publishes its first load
+reports before its registration's put lands, and "no usable record" was said at every worker's
+(re)registration (log-quality audit of 2026-12-07); said only once its record has been missing
+for RECORD_GRACE_S since.
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ from collections.abc import Callable
 
 __all__ = [
     "NAMED_AT_MOST",
+    "RECORD_GRACE_S",
     "REMEMBERED",
     "UNREGISTERED_SAID",
     "UNREGISTERED_SAID_S",
     "WINDOW_S",
+    "FirstHeard",
     "FirstSaid",
     "FleetEpisodes",
     "FleetLines",
@@ -58,6 +65,7 @@ WINDOW_S = 10.0
 REMEMBERED = 16384  # workers whose last word LastSaid keeps (a bounded memory of ids that left)
 UNREGISTERED_SAID = 1024  # senders with no record FirstSaid keeps said at once at most
 UNREGISTERED_SAID_S = 600.0  # ... each for this long, then it may be said again
+RECORD_GRACE_S = 2.0  # a sender's record may land this long after its first report
 
 
 class FleetLines:
@@ -256,3 +264,32 @@ class FirstSaid:
     def forget(self, worker: str) -> None:
         """`worker` left: back under its name, it is said again."""
         self._said.pop(worker, None)
+
+
+class FirstHeard:
+    """When each sender with no record was first heard, for up to `limit` senders (the oldest
+    forgotten first: anyone may publish under any name)."""
+
+    def __init__(
+        self,
+        grace_s: float = RECORD_GRACE_S,
+        *,
+        limit: int = UNREGISTERED_SAID,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.grace_s = grace_s
+        self.limit = limit
+        self._clock = clock
+        self._heard: dict[str, float] = {}  # insertion-ordered: oldest first
+
+    def past_grace(self, sender: str) -> bool:
+        """`sender` is heard now with no record: whether it has had none for `grace_s` since first heard."""
+        now = self._clock()
+        first = self._heard.setdefault(sender, now)
+        if len(self._heard) > self.limit:
+            del self._heard[next(iter(self._heard))]
+        return now - first >= self.grace_s
+
+    def forget(self, sender: str) -> None:
+        """`sender`'s record landed, or went: its next report without one starts the grace again."""
+        self._heard.pop(sender, None)

@@ -69,7 +69,7 @@ from router.eligibility import (
     taking_requests,
 )
 from router.fingerprint_days import FingerprintDays
-from router.fleet_lines import NAMED_AT_MOST, FirstSaid, FleetLines, FleetLog
+from router.fleet_lines import NAMED_AT_MOST, FirstHeard, FirstSaid, FleetLines, FleetLog
 from router.fleet_news import CHECK_S, FleetNews, mostly_silent, nats_answers
 from router.gap_repair import FailureKind
 from router.http_api import Drain, HttpLimits, make_app
@@ -255,6 +255,7 @@ class RouterService:
         self._load_said = FirstSaid(
             lambda worker: self._registry is not None and self._registry.get(worker) is not None
         )
+        self._first_heard = FirstHeard()  # a sender with no record: said once it has had none for a grace
         # A fleet restart sends every worker's reports before its record: the first few named, the rest counted
         self._unregistered_lines = FleetLines(
             log,
@@ -1152,6 +1153,7 @@ class RouterService:
         self.worker_versions.check(info)
         self.ingest.add_worker(info.worker, info.epoch, info.kv_total_blocks)
         self.eligibility.added(info.worker)
+        self._first_heard.forget(info.worker)
         if self._load_subs is not None:
             self._load_subs.workers_changed()
         self.unheard.added(info.worker)
@@ -1193,6 +1195,7 @@ class RouterService:
         self.unheard.removed(worker)
         self.dispatcher.worker_gone(worker)
         self._load_said.forget(worker)
+        self._first_heard.forget(worker)
         self.load_over_budget.pop(worker, None)
         if self._load_subs is not None:
             self._load_subs.workers_changed()
@@ -1308,7 +1311,9 @@ class RouterService:
         info = self._registry.get(report.worker) if self._registry is not None else None
         if info is None:
             self.load_unknown += 1  # not (yet) registered: holding it would let anyone grow our memory
-            if self._registry_ready and self._load_said("unknown", report.worker):  # not each worker at startup
+            # not each worker at startup, nor one whose registration lands just after its first reports
+            due = self._registry_ready and self._first_heard.past_grace(report.worker)
+            if due and self._load_said("unknown", report.worker):
                 self._unregistered_lines.say(
                     report.worker,
                     "load reports from worker %s dropped: it has no usable record under %s (logged once per "

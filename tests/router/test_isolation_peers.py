@@ -86,6 +86,7 @@ async def test_senders_with_no_record_cannot_silence_the_warnings_of_registered_
     those for good."""
     w = await cluster.add_worker("agg")
     router = await cluster.add_ready_router(disagg="never")
+    monkeypatch.setattr(router._first_heard, "grace_s", 0.0)  # each said at its first report
     caplog.set_level(logging.INFO, logger="router.service")
     before = router.load_unknown
     for i in range(1100):
@@ -116,6 +117,34 @@ async def test_senders_with_no_record_cannot_silence_the_warnings_of_registered_
     await until(
         lambda: sum("gone00001" in r.getMessage() for r in caplog.records) == 2, what="an id logged again later"
     )
+
+
+async def test_a_sender_with_no_record_is_said_only_once_it_has_had_none_for_the_grace(
+    cluster: Cluster, nc: Client, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shim publishes its first load reports before its registration's put lands: "no usable
+    record" was said at every worker's (re)registration (log-quality audit of 2026-12-07)."""
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    caplog.set_level(logging.INFO, logger="router.service")
+    before = router.load_unknown
+
+    async def report(sender: str) -> None:
+        await nc.publish(subjects.load(cluster.ns, sender), encode_msg(LoadReport(worker=sender, ts=time.time())))
+        await flush(nc)
+
+    def said(sender: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if f"from worker {sender} dropped: it has no" in r.getMessage()]
+
+    for _ in range(3):
+        await report("early")  # within its grace: its record may still land
+    await until(lambda: router.load_unknown >= before + 3, what="its reports dropped")
+    assert said("early") == [] and router.load_unknown == before + 3  # counted all the same
+    monkeypatch.setattr(router._first_heard, "grace_s", 0.2)  # its record missing past the grace
+    await asyncio.sleep(0.25)
+    await report("early")
+    await until(lambda: said("early") != [], what="a record missing past the grace said")
+    assert len(said("early")) == 1
 
 
 async def test_a_load_report_with_a_negative_count_is_dropped_and_counted(

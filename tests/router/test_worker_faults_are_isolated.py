@@ -176,11 +176,16 @@ def test_a_malformed_mark_outlives_load_reports_and_ends_after_the_cooldown() ->
 
 
 async def test_dropped_load_reports_are_in_metrics_and_each_worker_is_logged_once(
-    cluster: Cluster, http: aiohttp.ClientSession, nc: Client, caplog: pytest.LogCaptureFixture
+    cluster: Cluster,
+    http: aiohttp.ClientSession,
+    nc: Client,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     a = await cluster.add_worker("agg")
     b = await cluster.add_worker("agg")
     router = await cluster.add_ready_router(disagg="never")
+    monkeypatch.setattr(router._first_heard, "grace_s", 0.0)  # its record missing since its first report
     caplog.set_level(logging.INFO)
     stranger = "1234abcd"  # registered nowhere
     negative = LoadReport(worker=b.id, ts=time.time(), running=-1)
