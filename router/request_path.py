@@ -71,6 +71,9 @@ class RequestPath:
     clashes: Callable[[], Mapping[str, Mapping[str, Sequence[str]]]] = dict
     default_model: str | None = None
     workers: Callable[[], Sequence[WorkerInfo]] = tuple  # the routed ones (WorkerRegistry.workers)
+    # the engines of the workers serving a name (None: the fleet), WorkerRegistry.engines; None:
+    # read from `workers` on every call
+    engines: Callable[[str | None], frozenset[str]] | None = None
     ns: str = subjects.DEFAULT_NAMESPACE  # where the workers register: named when none has
     # worker records refused in etcd (key, why), of a model (None: all): named when they explain a 404
     refused: Callable[[str | None], Sequence[tuple[str, str]]] = lambda _model: ()
@@ -128,11 +131,24 @@ class RequestPath:
         """Whether every worker a request naming `name` (its body's `model`, as sent) may run on is
         a vLLM engine, so that the router may refuse what vLLM's model validators refuse
         (request_parsing.parse_request): the workers serving that name (or the --model), else, for
-        no name or one none serves, the whole fleet. True with no worker: it answers as vLLM."""
-        fleet = self.workers()
+        no name or one none serves, the whole fleet. True with no worker: it answers as vLLM. False
+        where resolve_model answers 503 (the --model, or a name served lately, with no worker now):
+        the workers that come back may be of any engine, and a 400 would end a client's retries."""
         named = name if isinstance(name, str) and name else self.default_model
-        theirs = serving(fleet, named) if named is not None else []
-        return all(info.engine == "vllm" for info in theirs or fleet)
+        theirs = self._engines(named) if named is not None else frozenset()
+        if not theirs:
+            if named is not None and (named == self.default_model or self._model_gone(named)):
+                return False
+            if named is None and not self.models() and self.served_lately():
+                return False
+            theirs = self._engines(None)
+        return theirs <= {"vllm"}
+
+    def _engines(self, name: str | None) -> frozenset[str]:
+        if self.engines is not None:
+            return self.engines(name)
+        fleet = self.workers()
+        return frozenset(info.engine for info in (serving(fleet, name) if name is not None else fleet))
 
     def served_lately(self) -> dict[str, str]:
         """The names requests resolved within RECENT_S, oldest first, each with its model."""

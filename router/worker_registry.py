@@ -146,6 +146,9 @@ class WorkerRegistry:
         self._workers: dict[str, WorkerInfo] = {}
         self._sorted: list[WorkerInfo] | None = None  # by id; every request reads it, membership rarely changes
         self._named: tuple[list[str], dict[str, str], dict[str, str]] | None = None  # _names(), as _sorted
+        # engines(): per name served (None: the fleet), valid while _sorted is the list they were read from
+        self._engines: dict[str | None, frozenset[str]] = {}
+        self._engines_of: list[WorkerInfo] | None = None
         # Indexes of _workers kept one record at a time, so that a watch event costs what it touches,
         # not the fleet (the class docstring):
         self._of_model: dict[str, set[str]] = {}  # model -> its workers; the keys are the models registered
@@ -230,6 +233,22 @@ class WorkerRegistry:
             for info in self._sorted
             if (model is None or info.model == model) and (role is None or info.role == role)
         ]
+
+    def engines(self, name: str | None) -> frozenset[str]:
+        """The engines (WorkerInfo.engine) of the routed workers serving `name` (a model, alias or
+        adapter; None: of the whole fleet); empty where none does. Read on every request
+        (RequestPath.vllm_only), so kept until the routed records change; a name none serves is
+        not kept (a client's names are unbounded)."""
+        self.workers()  # _sorted, current
+        if self._engines_of is not self._sorted:
+            self._engines_of, self._engines = self._sorted, {}
+        if (known := self._engines.get(name)) is not None:
+            return known
+        fleet = self._sorted or []
+        engines = frozenset(info.engine for info in (serving(fleet, name) if name is not None else fleet))
+        if engines:
+            self._engines[name] = engines
+        return engines
 
     def get(self, worker: str) -> WorkerInfo | None:
         return self._workers.get(worker)

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 import runtime
-from discovery import Discovery, KeyTaken, Registration, RegistrationState
+from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
 from discovery.lease import MIN_LEASE_TTL, Lease
 from kvswitch.servers import EtcdServer
 from protocol import RouterInfo, WorkerInfo, decode_json, subjects
@@ -678,10 +678,11 @@ async def test_a_keep_alive_that_fails_with_its_revoke_waits_out_its_own_lease_a
         assert await reg.stop()
 
 
-async def test_an_on_answered_hook_that_raises_fails_the_registration_once(
-    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("hook", ["on_answered", "on_failing"])
+async def test_a_synchronous_hook_that_raises_fails_the_registration_once(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch, hook: str
 ) -> None:
-    """A synchronous owner's hook (on_answered) raised inside the KeyTaken clause went past the
+    """A synchronous owner's hook (on_answered, on_failing) raised inside an except clause went past the
     registration's own handling: the round ended as a failed tick, the next began the loss anew
     (on_lost told again, every round) and `failed` was never set (review of f03192a)."""
     from discovery.lease import Lease
@@ -699,18 +700,27 @@ async def test_an_on_answered_hook_that_raises_fails_the_registration_once(
     async def revoke_fails(self: Lease, timeout: float) -> BaseException | None:
         return TimeoutError()  # the old lease keeps the name: registering anew is answered KeyTaken
 
+    real_register = Registration._register
+
+    async def etcd_fails(self: Registration) -> None:  # on_failing's case: etcd fails the try
+        if self.registrations:
+            raise DiscoveryError("etcd does not answer")
+        await real_register(self)
+
     lost: list[str] = []
 
     async def on_lost(rid: str) -> None:
         lost.append(rid)
 
-    def on_answered(exc: KeyTaken) -> None:
+    def defect(*args: object) -> None:
         raise RuntimeError("the owner's defect")
 
     monkeypatch.setattr(Lease, "_stream", fails_once)
     monkeypatch.setattr(Lease, "_revoke", revoke_fails)
+    if hook == "on_failing":
+        monkeypatch.setattr(Registration, "_register", etcd_fails)
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
-        reg = _worker_reg(d, ns, ttl=30, name="gpu-07", on_lost=on_lost, on_answered=on_answered)
+        reg = _worker_reg(d, ns, ttl=30, name="gpu-07", on_lost=on_lost, **{hook: defect})
         await reg.start()
         await _until(reg.failed.is_set, 10, "the registration failed")
         await asyncio.sleep(1.0)  # rounds after it would tell on_lost again

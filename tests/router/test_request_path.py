@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import types
 from typing import Any, cast
 
 import msgspec
@@ -244,3 +245,33 @@ def test_vllms_own_refusals_apply_only_where_vllm_engines_alone_serve_the_name(
 ) -> None:
     p = path(fleet, Dispatcher(), default_model=default, workers=lambda: fleet)
     assert p.vllm_only(name) is vllm_only
+
+
+def test_a_name_whose_workers_left_is_left_to_its_503_not_refused_as_vllm_would() -> None:
+    """Its workers gone (a restart of an SGLang-only model), the fleet left is vLLM: judged by it,
+    a body SGLang takes got vLLM's 400, which ends a client's retries, where resolve_model answers
+    503 with Retry-After (review of 08c9760)."""
+    fleet = [worker("v1", "agg", model="m"), _sglang(worker("s1", "agg", model="s"))]
+    models = ["m", "s"]
+    p = path(fleet, Dispatcher(), models=lambda: models, workers=lambda: fleet)
+    assert p.resolve_model("s") == "s" and p.vllm_only("s") is False
+    del fleet[1], models[1]  # its workers left
+    with pytest.raises(Unknown) as err:
+        p.resolve_model("s")
+    assert err.value.code == 503
+    assert p.vllm_only("s") is False
+    assert p.vllm_only("q") is True  # never served here: judged by the fleet, as vLLM checks first
+    default = path([], Dispatcher(), models=list, default_model="s")  # --model s, none registered yet
+    assert default.vllm_only(None) is False and default.vllm_only("s") is False
+
+
+def test_the_registrys_engines_of_a_name_follow_its_workers() -> None:
+    from router.worker_registry import WorkerRegistry
+
+    discovery = cast(Any, types.SimpleNamespace(ns="ns"))
+    registry = WorkerRegistry(discovery, lambda info: None, lambda worker: None)  # fed here
+    registry._put("v1", worker("v1", "agg", model="m"), 1)
+    assert registry.engines("m") == {"vllm"} and registry.engines(None) == {"vllm"}
+    registry._put("s1", _sglang(worker("s1", "agg", model="m")), 2)
+    assert registry.engines("m") == {"vllm", "sglang"} and registry.engines("nope") == frozenset()
+    assert "nope" not in registry._engines  # a client's names are not kept

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
+from typing import Any, cast
 
 import nats
 import pytest
 from nats.aio.msg import Msg
+from nats.errors import FlushTimeoutError
 
 from kvswitch.servers import NatsServer
-from runtime.nats_flush import flush
+from runtime.nats_flush import flush, write_queued
 from tests.runtime.recording_proxy import recording_proxy
 from tests.worker_shim.cluster import wait_for
 
@@ -112,3 +115,22 @@ def test_nats_pys_own_flush_is_awaited_only_where_it_is_measured() -> None:
         and node.value.func.attr == "flush"
     ]
     assert not found, f"await runtime.nats_flush.flush(nc) there, not nc.flush(): {found}"
+
+
+async def test_a_write_that_swallows_its_timeouts_cancellation_is_a_flush_timeout() -> None:
+    """nats-py's _flush_pending swallows the cancellation wait_for's timeout sends it and returns:
+    write_queued returned as if written (review of 080ad89)."""
+
+    class Hung:
+        async def _flush_pending(self, force_flush: bool = False) -> None:
+            with contextlib.suppress(asyncio.CancelledError):  # as nats-py 2.16 does
+                await asyncio.Event().wait()
+
+    with pytest.raises(FlushTimeoutError):
+        await write_queued(cast(Any, Hung()), timeout=0.2)
+
+    class Quick:
+        async def _flush_pending(self, force_flush: bool = False) -> None:
+            return None
+
+    await write_queued(cast(Any, Quick()), timeout=0.2)
