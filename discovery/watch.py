@@ -26,7 +26,7 @@ from etcd3aio import Etcd3Client, EtcdError, EtcdUnauthenticatedError, prefix_ra
 from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchResponse
 
 from discovery.advice import CALL_FAILED, advice
-from discovery.answer_deadline import answer_within
+from discovery.answer_deadline import StalledPast, answer_within
 from discovery.lease import said
 from protocol import subjects
 
@@ -225,6 +225,15 @@ async def watch_prefix(
                         yield Deleted(name, rev, _skipped(prefix, name, exc, log_skipped))
                         continue
                     yield Put(name, value, rev, ev.kv.create_revision)
+        except StalledPast as exc:
+            # Its re-waits spent by a stall of this process: etcd's answers may wait unread, so it
+            # re-reads, but the silence is not etcd's (until a review of 2026-12-07 it was said so).
+            log.info(
+                "watch %s: this process was stalled %.1fs or more as etcd's answer came due (not etcd); "
+                "re-reading and watching again",
+                prefix,
+                exc.stalled_s,
+            )
         except TimeoutError:
             # A hung member (stopped, not closed) keeps the stream open and silent: no error comes.
             if not silent:
@@ -240,7 +249,8 @@ async def watch_prefix(
 
 async def _stream(client: Etcd3Client, start: bytes, end: bytes, revision: int) -> AsyncGenerator[WatchResponse, None]:
     """etcd's answers to one watch from `revision`, asking where it stands every PROGRESS_S;
-    TimeoutError once none comes in SILENT_S. Closing it ends the gRPC stream at once. Unlike
+    TimeoutError once none comes in SILENT_S of its waking time (StalledPast where a stall of this
+    process spent it: discovery.answer_deadline). Closing it ends the gRPC stream at once. Unlike
     etcd3aio's watch, a broken stream is not made again here (after a backoff of up to 5 s, from a
     revision past changes it may have missed): the caller reads anew and watches again."""
 

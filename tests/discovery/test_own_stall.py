@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
+from collections.abc import AsyncGenerator
+from typing import Any
 
 import pytest
 
-from discovery import Discovery, Put, Snapshot
+import discovery.watch as watch_module
+from discovery import Discovery, Put, Snapshot, WatchEvent
 from discovery.watch import SILENT_S
 from protocol.config import EtcdSettings
 
@@ -33,6 +37,58 @@ async def test_a_watch_through_a_stall_of_its_process_is_not_made_again(
         await watch.aclose()
     assert "no answer from etcd" not in caplog.text
     assert f"watch /{ns}/w/: this process was stalled" in caplog.text
+
+
+class _Silent:
+    """A watch stream that never answers (a hung member's), its stall all this process's doing."""
+
+    def __aiter__(self) -> _Silent:
+        return self
+
+    async def __anext__(self) -> Any:
+        await asyncio.Event().wait()
+
+    def cancel(self) -> None:
+        pass
+
+
+async def test_a_watch_stalled_past_its_re_waits_names_the_stall_not_etcd(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stalls that spend its re-waits too end the wait with StalledPast: until a review of
+    2026-12-07 the watch took it for a plain TimeoutError and said "no answer from etcd" at WARNING.
+    A 0.4 s wait (one re-wait of 0.4 s) and two 1 s stalls, each past a deadline, make it in 2 s."""
+    monkeypatch.setattr(watch_module, "SILENT_S", 0.4)
+    caplog.set_level(logging.INFO)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]).validate(), ns) as d:
+        await d.put_raw(f"/{ns}/w/a", b"1")
+        assert d.client.watch is not None
+        stub = d.client.watch._stub
+        opened = stub.Watch
+        silent = [_Silent()]  # the first stream; the one made again is etcd's own
+        monkeypatch.setattr(stub, "Watch", lambda *a, **kw: silent.pop() if silent else opened(*a, **kw))
+        watch: AsyncGenerator[WatchEvent[bytes], None] = d.watch_raw(f"/{ns}/w/")
+        assert isinstance(await anext(watch), Snapshot)
+        following = asyncio.ensure_future(anext(watch))
+        await asyncio.sleep(0.05)  # waiting for the stream's answer
+        time.sleep(1.0)  # past the deadline: waits 0.4 s more, its last re-wait
+        await asyncio.sleep(0.01)
+        time.sleep(1.0)  # past that one too
+        try:
+            event = await asyncio.wait_for(following, 5)
+        finally:
+            following.cancel()
+            await watch.aclose()
+        assert isinstance(event, Snapshot) and event.items == {"a": b"1"}, event  # read anew
+    said = [r.getMessage() for r in caplog.records if r.name == "discovery.watch"]
+    assert not [line for line in said if "no answer from etcd" in line], said
+    stalled = [line for line in said if "stalled" in line]
+    assert len(stalled) == 1, said
+    assert re.fullmatch(
+        rf"watch /{ns}/w/: this process was stalled \d+\.\ds or more as etcd's answer came due \(not etcd\); "
+        "re-reading and watching again",
+        stalled[0],
+    ), said
 
 
 async def test_a_lease_through_a_stall_of_its_process_sees_etcd_answering(
