@@ -70,7 +70,8 @@ class LoopWatch:
 
     @property
     def task(self) -> asyncio.Task[None] | None:
-        """Its loop, while started: its owner's readiness names it should it end (runtime.ended)."""
+        """Its loop, while started: should it end (runtime.ended), a router's readiness names it and a
+        shim starts it again; meanwhile no stall is said (`stalled_within` 0, `awake_for` inf)."""
         return self._task
 
     async def stop(self) -> None:
@@ -79,10 +80,15 @@ class LoopWatch:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
+    def _watching(self) -> bool:
+        """Whether its task runs: one that ended (stopped, or crashed) has not ticked since, and the
+        time since its last tick is no stall (until a review of 2026-12-07 all of it read as one)."""
+        return self._task is not None and not self._task.done()
+
     def awake_for(self) -> float:
-        """Seconds since this loop last came out of a stall; inf when not started (nothing to say)."""
+        """Seconds since this loop last came out of a stall; inf while not watching (nothing to say)."""
         loop = self._loop
-        if loop is None:
+        if loop is None or not self._watching():
             return math.inf
         now = loop.time()
         if now - self._ticked > TICK_S + LATE_S:
@@ -92,9 +98,10 @@ class LoopWatch:
     def stalled_within(self, seconds: float, until: float | None = None, *, older_at_most: float = math.inf) -> float:
         """Seconds this loop stood still within the `seconds` before `until` (its clock, loop.time();
         now when None), a stall not yet ticked included; of the stalls before the latest one there,
-        the longest in full and the others `older_at_most` at most. 0 when not started."""
+        the longest in full and the others `older_at_most` at most. 0 while not watching (not
+        started, stopped, or its task crashed)."""
         loop = self._loop
-        if loop is None:
+        if loop is None or not self._watching():
             return 0.0
         now = loop.time()
         end = now if until is None else min(until, now)

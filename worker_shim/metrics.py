@@ -81,7 +81,8 @@ class _ShimCollector(Collector):
             "Work beside the requests that failed with an error no rule expected, each logged at ERROR with its "
             "traceback: a crashed kv_publisher or load_reporter of the current worker id ends the session (a new "
             "one registers; an old id's in its grace is only counted), a failed "
-            "orphan_check is run again a second later, a crashed retire closes the old worker id at once",
+            "orphan_check is run again a second later, a crashed retire closes the old worker id at once, a "
+            "crashed loop_watch is started again",
             labels=["task"],
         )
         for task, n in s.task_failures.items():

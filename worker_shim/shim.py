@@ -125,7 +125,7 @@ UNSUB_STOP_S = 2.0
 # between): one a second (health_interval_s) for the minute a port stays in TIME_WAIT was 60 lines.
 BIND_PENDING_SAID_S = 60.0
 # Work beside the session's that failed with an error no rule expected (kvswitch_shim_task_failures_total).
-TASKS = ("kv_publisher", "load_reporter", "orphan_check", "retire")
+TASKS = ("kv_publisher", "load_reporter", "orphan_check", "retire", "loop_watch")
 
 
 class _TaskCrashed(Exception):
@@ -1580,7 +1580,14 @@ class WorkerShim:
         (runtime.ended; each runs until its stop(), which takes it away first): the session ends as
         failed and a new one registers. Left to run, routers kept routing on a KV index that changed
         no more (the load reports' digest stayed at the last batch, so no repair came), or on a
-        worker that sent no load report while its /health said serving."""
+        worker that sent no load report while its /health said serving. The loop watch, should it
+        have ended, is started again in place: it is the process's, so a new session would not start
+        it, and until then the shim's stalls are blamed on etcd (a review of 2026-12-07: it lay dead
+        after one ERROR, and every later cut-off was named this process's stall)."""
+        if (why := ended(self.loop_watch.task)) is not None:
+            self._count_task_failure("loop_watch")
+            log.info("%s; started again", why)
+            self.loop_watch.start()
         presence = self._presence
         if presence is None:
             return

@@ -113,9 +113,36 @@ async def test_a_stall_of_a_second_or_more_is_said_once_a_minute_naming_those_be
         await watch.stop()
 
 
+async def test_a_watch_whose_task_ended_reports_no_stall() -> None:
+    """A watch that no longer ticks (its task crashed, or was cancelled) says nothing of the loop:
+    until a review of 2026-12-07 all the time since its last tick read as a stall, so a shim whose
+    loop watch had crashed named its own stall, "not etcd or the network", of every later cut-off."""
+    watch = LoopWatch()
+    watch.start()
+    try:
+        await asyncio.sleep(0.2)
+        task = watch.task
+        assert task is not None
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.5)  # awake all along
+        assert watch.stalled_within(10.0) == 0.0
+        assert watch.awake_for() == math.inf
+    finally:
+        await watch.stop()
+    assert watch.stalled_within(10.0) == 0.0 and watch.awake_for() == math.inf  # stopped: the same
+
+
 class _Clock:
     def time(self) -> float:
         return 10.0
+
+
+class _Running:
+    """A watch's task that runs on."""
+
+    def done(self) -> bool:
+        return False
 
 
 def test_one_stall_clipped_by_until_with_no_older_credit_is_its_own_part() -> None:
@@ -123,6 +150,7 @@ def test_one_stall_clipped_by_until_with_no_older_credit_is_its_own_part() -> No
     # longest's max() ran over nothing and raised (a review of 2026-12-07)
     watch = LoopWatch()
     watch._loop, watch._ticked = _Clock(), 10.0  # type: ignore[assignment]  # ticked now: none unseen
+    watch._task = _Running()  # type: ignore[assignment]
     start, end = 2.4798028269513908, 6.999628782304185
     watch._starts, watch._ends, watch._sums = [start], [end], [end - start]
     until = 4.16183472797762

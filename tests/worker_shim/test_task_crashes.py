@@ -39,6 +39,7 @@ from protocol import (
     subjects,
 )
 from protocol.config import EtcdSettings
+from runtime.loop_watch import LoopWatch
 from runtime.nats_flush import flush
 from tests.worker_shim.cluster import connect, shim_for, sim_config, wait_for
 from tests.worker_shim.test_shim_lifecycle import registered_workers
@@ -370,6 +371,35 @@ async def test_a_failing_orphan_check_is_said_once_per_kind_counted_and_checked_
         assert len(said) == 1 and said[0].exc_info is not None  # the second, within a minute, held back
         assert _failures(shim, "orphan_check") == 2
         assert shim._orphans_task is not None and not shim._orphans_task.done()
+
+
+async def test_a_crashed_loop_watch_is_said_counted_and_started_again_the_session_going_on(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop watch is the process's, not the session's: until a review of 2026-12-07 one that
+    crashed lay dead after its ERROR, and each later cut-off was named this shim's stall."""
+    real = LoopWatch._run
+    crashes: list[Exception] = []
+
+    async def run(self: LoopWatch) -> None:
+        if crashes:
+            raise crashes.pop()
+        await real(self)
+
+    monkeypatch.setattr(LoopWatch, "_run", run)
+    caplog.set_level(logging.INFO)
+    async with _registered_shim(ns, nats_url, etcd_url) as shim:
+        worker = shim.worker_id
+        crashes.append(RuntimeError("injected: a bug in the loop watch"))
+        await shim.loop_watch.stop()
+        shim.loop_watch.start()  # the same watch, started again: its loop now crashes at once
+        assert await _said(caplog, "task loop-watch crashed")
+        await wait_for(lambda: _failures(shim, "loop_watch") == 1, 5.0, "the crash counted")
+        task = shim.loop_watch.task
+        assert task is not None and not task.done(), "started again"
+        await asyncio.sleep(0.3)  # a few health checks
+        assert task is shim.loop_watch.task and not task.done() and _failures(shim, "loop_watch") == 1
+        assert shim.worker_id == worker and shim.serving and shim.session_failures == 0  # the session went on
 
 
 async def test_a_crashed_retirement_drops_the_old_id_and_the_teardown_still_ends_with_cleared(
