@@ -736,8 +736,10 @@ class RouterService:
         self._load_nc = self._kv_nc = self._kvstate_nc = self._nc = None
         self.fleet_log.flush()  # its windows' timers never fire now
         self.status = RouterStatus.STOPPED
-        # Its log's last line: until 2026-12-07 it ended at "draining", the stop's end unsaid
-        log.info("router %s stopped%s", self.router_id, " (a cancellation cut a step short)" if steps.cut else "")
+        # Its log's last line: until 2026-12-07 it ended at "draining", the stop's end unsaid. A router
+        # that never registered (its start failed, said in one line naming the fix) says nothing more.
+        if registration is not None:
+            log.info("router %s stopped%s", self.router_id, " (a cancellation cut a step short)" if steps.cut else "")
         steps.end()
 
     async def serve(self, stop: asyncio.Event) -> int:

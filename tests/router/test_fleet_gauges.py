@@ -6,6 +6,7 @@ while one of them has no worker taking requests, and until 2026-12-06 only a WAR
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import pytest
@@ -107,11 +108,11 @@ async def test_a_fleet_check_that_raises_is_logged_and_runs_again(
     # Before, one exception ended the check's task for good: its gauges froze at their last values.
     calls = {"n": 0}
 
-    def check_once_broken(statuses: list[WorkerStatus], now: float, period_s: float) -> None:
+    def check_once_broken(statuses: list[WorkerStatus], now: float, period_s: float, **kw: Any) -> None:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("a broken check")
-        real(statuses, now, period_s)
+        real(statuses, now, period_s, **kw)
 
     await cluster.add_worker("decode")
     router = await cluster.add_router()
