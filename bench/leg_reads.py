@@ -20,43 +20,47 @@ import sys
 import time
 from typing import Any
 
+from opentelemetry.trace import INVALID_SPAN
+
+# Imported in the child run with each tree on PYTHONPATH, so each tree's own router.leg is measured
+from protocol import GenerateRequest, ResponseChunk
+from router.client_buffers import ClientBuffers
+from router.leg import Leg
+
+
+class IdleOwner:
+    """A leg's owner (router.dispatch.Dispatcher's part of it) whose connection is up, whose loop
+    never stalled and which sends nothing: a leg read on its own (here, and tests/router)."""
+
+    resumes = 0
+    lost_at = None
+
+    def __init__(self, buffer_bytes: int = 1 << 30) -> None:
+        async def cut(leg: Leg) -> None:
+            return None
+
+        self.buffers = ClientBuffers(buffer_bytes, list, cut)
+
+    def awake_for(self) -> float:
+        return math.inf
+
+    def is_connected(self) -> bool:
+        return True
+
+    async def connected(self) -> bool:
+        return True
+
+    def back_within(self, window_s: float, since: float | None = None) -> bool:
+        return False
+
+    async def send(self, leg: Leg, request: GenerateRequest) -> None:
+        return None
+
+    async def closed(self, leg: Leg) -> None:
+        return None
+
 
 async def _reads(chunks: int) -> float:
-    """CPU seconds per chunk: a producer pushes one chunk per loop turn to a reader waiting for it."""
-    from opentelemetry.trace import INVALID_SPAN
-
-    from protocol import GenerateRequest, ResponseChunk
-    from router.client_buffers import ClientBuffers
-    from router.leg import Leg
-
-    class Owner:
-        resumes = 0
-        lost_at = None
-
-        def __init__(self) -> None:
-            async def cut(leg: Leg) -> None:
-                return None
-
-            self.buffers = ClientBuffers(1 << 30, list, cut)
-
-        def awake_for(self) -> float:
-            return math.inf
-
-        def is_connected(self) -> bool:
-            return True
-
-        async def connected(self) -> bool:
-            return True
-
-        def back_within(self, window_s: float, since: float | None = None) -> bool:
-            return False
-
-        async def send(self, leg: Leg, request: GenerateRequest) -> None:
-            return None
-
-        async def closed(self, leg: Leg) -> None:
-            return None
-
     request = GenerateRequest(request_id="r", model="m", token_ids=[1])
     sent = [ResponseChunk(request_id="r", seq=i, events=[b"{}"], tokens=1) for i in range(chunks)]
 
@@ -65,7 +69,7 @@ async def _reads(chunks: int) -> float:
             await asyncio.sleep(0)  # the reader reaches its wait first, as behind a socket read
             leg.push(chunk, 64)
 
-    async with Leg(Owner(), "1", "w", "agg", request, INVALID_SPAN, lambda prefilled: None) as leg:
+    async with Leg(IdleOwner(), "1", "w", "agg", request, INVALID_SPAN, lambda prefilled: None) as leg:
         producer = asyncio.create_task(produce(leg))
         start = time.process_time()
         for _ in range(chunks):

@@ -4,50 +4,18 @@ for an earlier, shorter wait must not end a later one early, and silence still e
 from __future__ import annotations
 
 import asyncio
-import math
 
 import pytest
 from opentelemetry.trace import INVALID_SPAN
 
+from bench.leg_reads import IdleOwner
 from protocol import GenerateRequest, ResponseChunk
-from router.client_buffers import ClientBuffers
 from router.leg import Leg, LegError
-
-
-class _Owner:
-    """A sender whose connection is up and whose loop never stalled."""
-
-    resumes = 0
-    lost_at = None
-
-    def __init__(self) -> None:
-        async def cut(leg: Leg) -> None:
-            return None
-
-        self.buffers = ClientBuffers(1 << 20, list, cut)
-
-    def awake_for(self) -> float:
-        return math.inf
-
-    def is_connected(self) -> bool:
-        return True
-
-    async def connected(self) -> bool:
-        return True
-
-    def back_within(self, window_s: float, since: float | None = None) -> bool:
-        return False
-
-    async def send(self, leg: Leg, request: GenerateRequest) -> None:
-        return None
-
-    async def closed(self, leg: Leg) -> None:
-        return None
 
 
 def _leg() -> Leg:
     request = GenerateRequest(request_id="r", model="m", token_ids=[1, 2, 3])
-    return Leg(_Owner(), "1", "w", "agg", request, INVALID_SPAN, lambda prefilled: None)
+    return Leg(IdleOwner(1 << 20), "1", "w", "agg", request, INVALID_SPAN, lambda prefilled: None)
 
 
 def _chunk(seq: int, final: bool = False) -> ResponseChunk:
