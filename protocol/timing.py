@@ -5,7 +5,9 @@ Profiles. A name `{table}:{model}` (WorkerInfo.timing_profile, `--profile`) name
 `protocol/profiles/{table}.json` and one of its `models`; `{table}:{model}@{S}x` (`TimingModel.for_profile`
 and the names a shim registers, not `load_profile` or a sim's `--profile`) is that profile on an
 engine S times as fast, every time divided by S: what a sim at `--speedup S` runs, and what `kvswitch
-up` registers for it (`speed_profile`), so that routers predict its real speed; `KVSWITCH_PROFILE_DIR` adds a directory
+up` registers for it (`speed_profile`), so that routers predict its real speed. Only a name ending in `@`,
+a plain decimal number (ASCII digits, at most one `.`) and `x` has a speed-up, and one only: a table or
+model may have an `@` of its own (`h200@lab:llama-3.1-8b@10x`). `KVSWITCH_PROFILE_DIR` adds a directory
 searched first, for operators' own tables in the same format (`load_profile` refuses a table the
 model cannot use, naming the file and the key: `kv_bytes_per_token_bf16` must be >= 1, and every
 row of a grid, the points at one `cached_tokens` or `context_tokens`, needs >= 2 points, a slope to
@@ -61,9 +63,11 @@ import copy
 import json
 import math
 import os
+import re
 import reprlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -89,6 +93,8 @@ DEFAULT_PROFILE = "h200:llama-3.1-8b"
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's default for the API server on an H100/H200
 _BUILTIN_DIR = Path(__file__).with_name("profiles")
 PROFILE_DIR_ENV = "KVSWITCH_PROFILE_DIR"  # an operator's tables, searched before the built-in ones
+# `{profile}@{S}x`: ASCII digits with at most one `.` (float() also reads ` 10`, `1_0`, `1e3`, `inf`)
+_SPEED = re.compile(r"(.+)@([0-9]+(?:\.[0-9]+)?)x")
 
 
 def profile_dir(env: Mapping[str, str] | None = None) -> Path | None:
@@ -256,22 +262,21 @@ def speed_profile(name: str, speedup: float) -> str:
         raise ValueError(f"a profile's speed-up must be a finite number > 0, got {speedup!r}")
     if speedup == 1:
         return name
-    short = f"{speedup:g}"
-    return f"{name}@{short if float(short) == speedup else repr(speedup)}x"
+    # repr's digits (the shortest that read back as `speedup`) without an exponent, which _SPEED refuses
+    return f"{name}@{format(Decimal(repr(speedup)), 'f').removesuffix('.0')}x"
 
 
 def _split_speed(name: str) -> tuple[str, float]:
-    """`h200:llama-3.1-8b@10x` -> ("h200:llama-3.1-8b", 10.0); a name without `@` at speed 1."""
-    base, at, speed = name.rpartition("@")
-    if not at:
+    """`h200:llama-3.1-8b@10x` -> ("h200:llama-3.1-8b", 10.0); a name that does not end in
+    `@{S}x` (S a plain decimal number: digits, one `.`) is a profile's own name, at speed 1: a table
+    or model may have an `@` in its name (`h200@lab:llama-3.1-8b`)."""
+    match = _SPEED.fullmatch(name)
+    if match is None:
         return name, 1.0
-    try:
-        factor = float(speed.removesuffix("x")) if speed.endswith("x") else math.nan
-    except ValueError:
-        factor = math.nan
-    if not 0 < factor < math.inf:
+    factor = float(match[2])
+    if not factor > 0:
         raise ValueError(f"timing profile {name!r}: after '@' give the engine's speed-up as a number > 0 and x (@10x)")
-    return base, factor
+    return match[1], factor
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,5 +517,12 @@ class TimingModel:
 
 @cache
 def _model(name: str) -> TimingModel:
-    base, speedup = _split_speed(name)
-    return TimingModel(load_profile(base)) if speedup == 1 else _model(base).scaled(1 / speedup)
+    base, speedup = _split_speed(name)  # the base is a profile's own name: one speed-up, not one per `@`
+    try:
+        model = TimingModel(load_profile(base))
+    except ValueError as exc:
+        if "@" in name and base not in profile_names():  # `@ 10x`, `@10`, `@10x@2x`: say how a speed is written
+            how = "a speed-up ends the name once: @{S}x, S digits with one '.', as @10x"
+            raise ValueError(f"{exc} ({how})") from None
+        raise
+    return model if speedup == 1 else model.scaled(1 / speedup)

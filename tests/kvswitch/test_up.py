@@ -22,6 +22,7 @@ import pytest
 from kvswitch.cluster import ClusterSpec, LocalCluster, _Child
 from kvswitch.servers import EtcdServer, NatsServer, ServerError, free_port, free_ports
 from kvswitch.up import _AGAIN, _HealthLog, _spec, add_arguments
+from protocol.timing import speed_profile
 
 
 def _alive(pid: int) -> bool:
@@ -365,6 +366,21 @@ def test_a_profile_table_that_does_not_parse_is_refused_naming_its_file(
     said = str(refused.value)
     assert refused.value.code == 2 and said.startswith("kvswitch up: invalid --profile = 'mygpu:m1': "), said
     assert f"timing table {tmp_path / 'mygpu.json'}: cannot read it: Expecting value: line 2 column 14" in said, said
+
+
+def test_a_profile_with_an_at_sign_in_its_name_runs_at_a_speedup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of 3a2a9c4: the shims' `lab@h200:llama-3.1-8b@10x` was read as a speed-up of
+    `lab@h200:llama-3.1-8b@10` and up refused its own --profile (`after '@' give the engine's speed-up`)."""
+    from protocol.timing import TimingModel
+
+    (tmp_path / "lab@h200.json").write_bytes((Path(__file__).parents[2] / "protocol/profiles/h200.json").read_bytes())
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(tmp_path))
+    spec = _spec(_up_args(["--agg", "1", "--profile", "lab@h200:llama-3.1-8b", "--speedup", "10"]))
+    registered = TimingModel.for_profile(speed_profile(spec.profile, spec.speedup))
+    plain = TimingModel.for_profile("h200:llama-3.1-8b")
+    assert registered.decode(32, 2048) == pytest.approx(plain.decode(32, 2048) / 10)
 
 
 def _up_args(argv: list[str]) -> argparse.Namespace:

@@ -170,11 +170,41 @@ def test_a_profile_at_speed_1_is_the_profile_and_bad_speeds_are_refused() -> Non
     for speedup in (0.0, -2.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="finite number > 0"):
             speed_profile(LLAMA, speedup)
-    for bad in ("@10", "@x", "@0x", "@-1x", "@infx", "@nanx", "@tenx"):
-        with pytest.raises(ValueError, match=r"after '@' give the engine's speed-up"):
+    with pytest.raises(ValueError, match=r"after '@' give the engine's speed-up"):
+        TimingModel.for_profile(LLAMA + "@0x")
+    # Not `@`, a plain decimal number and `x`: no speed-up, so no such profile, and how one is written
+    for bad in ("@10", "@x", "@-1x", "@infx", "@nanx", "@tenx"):
+        with pytest.raises(ValueError, match=r"unknown timing profile .*a speed-up ends the name once: @\{S\}x"):
             TimingModel.for_profile(LLAMA + bad)
-    with pytest.raises(ValueError, match="unknown timing profile"):
+    with pytest.raises(ValueError, match="unknown timing profile 'h200:no-such-model'"):
         TimingModel.for_profile("h200:no-such-model@10x")
+
+
+@pytest.mark.parametrize(
+    "bad", ["@10x@2x", "@ 10x", "@10 x", "@1_0x", "@1e1x", "@+10x", "@10.x", "@.5x", "@10X", "@\u0661\u0660x"]
+)
+def test_a_speedup_is_one_plain_decimal_number(bad: str) -> None:
+    """Review of 3a2a9c4: float() read each of these (`@10x@2x` as 20x, a speed-up per `@`); only
+    ASCII digits with at most one `.`, once, at the end, are a speed-up now."""
+    with pytest.raises(ValueError, match=r"unknown timing profile .*a speed-up ends the name once"):
+        TimingModel.for_profile(LLAMA + bad)
+
+
+def test_a_table_or_model_with_an_at_sign_is_a_profile_at_any_speed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of 3a2a9c4: `profile_names` listed `lab@h200:llama-3.1-8b` and `load_profile` loaded it,
+    but its `@` was read as a speed-up, refused (`after '@' give the engine's speed-up`) by every
+    shim's check and router, and `kvswitch up --profile` of it was refused."""
+    (tmp_path / "lab@h200.json").write_text(json.dumps({"models": [{**_model("llama-3.1-8b"), "model": "m@v2"}]}))
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(tmp_path))
+    name = "lab@h200:m@v2"
+    assert name in profile_names()
+    llama, mine = TimingModel.for_profile(LLAMA), TimingModel.for_profile(name)
+    assert mine.profile.name == name and mine.prefill(3000, 500) == pytest.approx(llama.prefill(3000, 500))
+    fast = TimingModel.for_profile(speed_profile(name, 4.0))
+    assert speed_profile(name, 4.0) == f"{name}@4x" and fast.profile.name == name
+    assert fast.decode(48, 3000) == pytest.approx(llama.decode(48, 3000) / 4)
 
 
 def test_unknown_profile_names_the_choices() -> None:
