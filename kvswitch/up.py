@@ -37,7 +37,7 @@ from kvswitch.servers import FREE_PORTS_ENV, ServerError, port_range, symlinked
 from protocol import ConfigError, subjects
 from protocol.config import RouterSettings, resolve
 from protocol.errors import try_listen
-from protocol.timing import profile_names
+from protocol.timing import check_speedup, profile_names
 
 __all__ = ["PASSES_UNKNOWN_ARGS", "UpFlagError", "add_arguments", "run"]
 
@@ -83,7 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routers", type=int, default=None, metavar="R",
                         help="router replicas, which need workers (default: 1 with workers, else 0)")  # fmt: skip
     parser.add_argument("--http-port", type=int, default=8080, help="first router's port; the next ones follow")
-    parser.add_argument("--speedup", type=float, default=1.0, help="simulated engines run this many times faster")
+    parser.add_argument(
+        "--speedup", type=float, default=1.0, help="simulated engines run this many times faster (0.001..1000000)"
+    )
     parser.add_argument("--model", default="sim-llama", help="served model name")
     # No argparse choices: a table that does not parse names no profile, and its fault would read as an
     # unknown name. The sims' own check (_max_model_len_args: SimConfig.validate) says which (exit 2).
@@ -141,8 +143,10 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
             f"kvswitch up: --prefill {args.prefill} needs --decode or --agg: prefill workers serve no request "
             "alone (or --routers 0 for prefill sims beside routers and decode workers of your own)"
         )
-    if not 0 < args.speedup < math.inf:
-        raise UpFlagError(f"kvswitch up: --speedup must be a finite number > 0, got {args.speedup}")
+    try:
+        check_speedup(args.speedup, "--speedup")  # the shims register the sims' profile at it
+    except ValueError as exc:
+        raise UpFlagError(f"kvswitch up: {exc}") from None
     for name in ("nats_port", "etcd_port", "http_port"):
         if not 0 <= getattr(args, name) <= 65535:
             raise UpFlagError(f"kvswitch up: --{name.replace('_', '-')} must be in 0..65535 (0: a free one), "

@@ -7,7 +7,8 @@ and the names a shim registers, not `load_profile` or a sim's `--profile`) is th
 engine S times as fast, every time divided by S: what a sim at `--speedup S` runs, and what `kvswitch
 up` registers for it (`speed_profile`), so that routers predict its real speed. Only a name ending in `@`,
 a plain decimal number (ASCII digits, at most one `.`) and `x` has a speed-up, and one only: a table or
-model may have an `@` of its own (`h200@lab:llama-3.1-8b@10x`). `KVSWITCH_PROFILE_DIR` adds a directory
+model may have an `@` of its own (`h200@lab:llama-3.1-8b@10x`); S is in MIN_SPEEDUP..MAX_SPEEDUP
+(0.001..1000000: `check_speedup`). `KVSWITCH_PROFILE_DIR` adds a directory
 searched first, for operators' own tables in the same format (`load_profile` refuses a table the
 model cannot use, naming the file and the key: `kv_bytes_per_token_bf16` must be >= 1, and every
 row of a grid, the points at one `cached_tokens` or `context_tokens`, needs >= 2 points, a slope to
@@ -67,7 +68,6 @@ import re
 import reprlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -77,10 +77,13 @@ from protocol.errors import VariableError
 __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_PROFILE",
+    "MAX_SPEEDUP",
+    "MIN_SPEEDUP",
     "PROFILE_DIR_ENV",
     "MarginalFit",
     "ModelProfile",
     "TimingModel",
+    "check_speedup",
     "fit_marginal",
     "load_profile",
     "mixed_marginals",
@@ -95,6 +98,7 @@ _BUILTIN_DIR = Path(__file__).with_name("profiles")
 PROFILE_DIR_ENV = "KVSWITCH_PROFILE_DIR"  # an operator's tables, searched before the built-in ones
 # `{profile}@{S}x`: ASCII digits with at most one `.` (float() also reads ` 10`, `1_0`, `1e3`, `inf`)
 _SPEED = re.compile(r"(.+)@([0-9]+(?:\.[0-9]+)?)x")
+MIN_SPEEDUP, MAX_SPEEDUP = 1e-3, 1e6  # a profile's speed-up (`@{S}x`, `kvswitch up --speedup`)
 
 
 def profile_dir(env: Mapping[str, str] | None = None) -> Path | None:
@@ -256,14 +260,21 @@ def load_profile(name: str = DEFAULT_PROFILE) -> ModelProfile:
     raise ValueError(f"unknown timing profile {name!r}; known: {', '.join(profile_names())}")
 
 
+def check_speedup(speedup: float, what: str) -> None:
+    """ValueError naming `what` unless MIN_SPEEDUP <= `speedup` <= MAX_SPEEDUP: past them a profile's
+    times are no longer numbers (1 / 1e-320 is inf, and a router divided a backlog by a rate of 0)."""
+    if not MIN_SPEEDUP <= speedup <= MAX_SPEEDUP:  # NaN too
+        raise ValueError(
+            f"{what} must be a number in {MIN_SPEEDUP}..{MAX_SPEEDUP:.0f} (times the profile's speed), got {speedup!r}"
+        )
+
+
 def speed_profile(name: str, speedup: float) -> str:
     """`name` on an engine `speedup` times as fast (`h200:llama-3.1-8b@10x`); `name` itself at 1."""
-    if not 0 < speedup < math.inf:
-        raise ValueError(f"a profile's speed-up must be a finite number > 0, got {speedup!r}")
+    check_speedup(speedup, "a profile's speed-up")
     if speedup == 1:
         return name
-    # repr's digits (the shortest that read back as `speedup`) without an exponent, which _SPEED refuses
-    return f"{name}@{format(Decimal(repr(speedup)), 'f').removesuffix('.0')}x"
+    return f"{name}@{repr(speedup).removesuffix('.0')}x"  # in the bounds, repr writes no exponent
 
 
 def _split_speed(name: str) -> tuple[str, float]:
@@ -274,8 +285,7 @@ def _split_speed(name: str) -> tuple[str, float]:
     if match is None:
         return name, 1.0
     factor = float(match[2])
-    if not factor > 0:
-        raise ValueError(f"timing profile {name!r}: after '@' give the engine's speed-up as a number > 0 and x (@10x)")
+    check_speedup(factor, f"timing profile {name!r}: the speed-up after '@'")
     return match[1], factor
 
 

@@ -183,7 +183,10 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
         (["--agg", "1", "--lora-modules", "sql"], "kvswitch up: invalid --lora-modules"),
         (["--agg", "1", "--nats-port", "-1"], "kvswitch up: --nats-port must be in 0..65535"),
         (["--agg", "1", "--etcd-port", "70000"], "kvswitch up: --etcd-port must be in 0..65535"),
-        (["--agg", "1", "--speedup", "inf"], "kvswitch up: --speedup must be a finite number > 0"),
+        (["--agg", "1", "--speedup", "inf"], "kvswitch up: --speedup must be a number in 0.001..1000000"),
+        # review of 3a2a9c4: it came up, every time in the profile it registered infinite
+        (["--agg", "1", "--speedup", "1e-320"], "kvswitch up: --speedup must be a number in 0.001..1000000"),
+        (["--agg", "1", "--speedup", "2e6"], "(times the profile's speed), got 2000000.0"),
         (
             ["--agg", "1", "--max-model-len", "0"],
             "kvswitch up: invalid --max-model-len = 0: must be a positive integer",

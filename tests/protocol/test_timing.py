@@ -7,6 +7,7 @@ import json
 import math
 import re
 from collections.abc import Callable
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ import pytest
 from protocol.errors import VariableError
 from protocol.timing import (
     DEFAULT_PROFILE,
+    MAX_SPEEDUP,
+    MIN_SPEEDUP,
     TimingModel,
     fit_marginal,
     load_profile,
@@ -168,9 +171,9 @@ def test_a_profile_at_a_speedup_divides_every_time_by_it(speedup: float, name: s
 def test_a_profile_at_speed_1_is_the_profile_and_bad_speeds_are_refused() -> None:
     assert speed_profile(LLAMA, 1.0) == LLAMA
     for speedup in (0.0, -2.0, math.inf, math.nan):
-        with pytest.raises(ValueError, match="finite number > 0"):
+        with pytest.raises(ValueError, match=r"a profile's speed-up must be a number in 0\.001\.\.1000000"):
             speed_profile(LLAMA, speedup)
-    with pytest.raises(ValueError, match=r"after '@' give the engine's speed-up"):
+    with pytest.raises(ValueError, match=r"'h200:llama-3.1-8b@0x': the speed-up after '@' must be a number in"):
         TimingModel.for_profile(LLAMA + "@0x")
     # Not `@`, a plain decimal number and `x`: no speed-up, so no such profile, and how one is written
     for bad in ("@10", "@x", "@-1x", "@infx", "@nanx", "@tenx"):
@@ -178,6 +181,26 @@ def test_a_profile_at_speed_1_is_the_profile_and_bad_speeds_are_refused() -> Non
             TimingModel.for_profile(LLAMA + bad)
     with pytest.raises(ValueError, match="unknown timing profile 'h200:no-such-model'"):
         TimingModel.for_profile("h200:no-such-model@10x")
+
+
+@pytest.mark.parametrize("speedup", [1e-320, 1e-4, 0.000999, 1000000.5, 1e300])
+def test_a_speedup_past_its_bounds_is_refused(speedup: float) -> None:
+    """Review of 3a2a9c4: `@1e-320x` passed (1 / S is inf: every time infinite, and a router divided
+    a backlog by a prefill rate of 0.0), as did `kvswitch up --speedup 1e-320`."""
+    with pytest.raises(ValueError, match=r"a profile's speed-up must be a number in 0\.001\.\.1000000 .*, got "):
+        speed_profile(LLAMA, speedup)
+    written = f"{LLAMA}@{format(Decimal(repr(speedup)), 'f')}x"  # as a hand would write it: no exponent
+    with pytest.raises(ValueError, match=r"the speed-up after '@' must be a number in 0\.001\.\.1000000"):
+        TimingModel.for_profile(written)
+
+
+@pytest.mark.parametrize(("speedup", "name"), [(MIN_SPEEDUP, f"{LLAMA}@0.001x"), (MAX_SPEEDUP, f"{LLAMA}@1000000x")])
+def test_a_speedup_at_its_bounds_is_a_profile(speedup: float, name: str) -> None:
+    """1e6 was written `@1e+06x`, which no longer reads as a speed-up."""
+    assert speed_profile(LLAMA, speedup) == name
+    tm, fast = TimingModel.for_profile(LLAMA), TimingModel.for_profile(name)
+    assert fast.decode(48, 3000) == pytest.approx(tm.decode(48, 3000) / speedup)
+    assert math.isfinite(fast.prefill(3000, 500)) and fast.prefill(3000, 500) > 0
 
 
 @pytest.mark.parametrize(
