@@ -26,6 +26,11 @@ __all__ = [
 FLAG_ONLY = frozenset({"config", "no_api_keys", "trust_request_chat_template"})
 # Settings whose values are secrets: a ConfigError shows only their type.
 _SECRETS = frozenset({"nats_password", "nats_token", "etcd_password"})
+# Settings whose values are names, never URLs: a ConfigError shows them whole. `without_userinfo`
+# takes all up to the last `@` of text with a `:` (`h200:nope@10x` was shown as '10x'). The others keep
+# it: a URL setting left out of a list of URLs would show its password; one left out of this, its
+# value cut short.
+_NAMES = frozenset({"timing_profile", "model"})
 
 
 def without_userinfo(url: str) -> str:
@@ -60,7 +65,8 @@ def _shown(value: object) -> object:
 class ConfigError(ValueError):
     """A setting has a value it may not have. Names the setting and what is allowed. The message
     never carries a secret: a password's or token's value is `<redacted>` (its type stays, the
-    useful part of "Expected `str`, got `int`"), and URLs lose their userinfo (`value` keeps it all)."""
+    useful part of "Expected `str`, got `int`"), and URLs lose their userinfo (`value` keeps it all):
+    any text with an `@` and a `:` is taken for one, but in a setting whose value is a name."""
 
     def __init__(self, setting: str, value: object, allowed: str) -> None:
         self.setting = setting
@@ -70,7 +76,7 @@ class ConfigError(ValueError):
             kind = type(value).__name__
             shown = f"<redacted> ({'an' if kind[0] in 'aeiou' else 'a'} {kind})"
         else:
-            shown = repr(_shown(value))
+            shown = repr(value if setting in _NAMES else _shown(value))
         super().__init__(f"invalid {setting} ({setting_names(setting)}) = {shown}: {allowed}")
 
     @classmethod

@@ -96,6 +96,23 @@ def test_without_userinfo(url: str, shown: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("setting", "value", "shown"),
+    [
+        ("timing_profile", "h200:nope@10x", "= 'h200:nope@10x'"),  # was '10x'
+        ("timing_profile", "lab@h200:m@v2", "= 'lab@h200:m@v2'"),  # was 'v2'
+        ("model", "org/m:v1@sha", "= 'org/m:v1@sha'"),
+        ("engine_url", "http://u:pw@h:8000", "= 'http://h:8000'"),  # a URL setting keeps losing it
+        ("kv_events_config", {"endpoint": "tcp://u:pw@h:5557"}, "= {'endpoint': 'tcp://h:5557'}"),
+    ],
+)
+def test_a_name_is_shown_whole_and_a_url_without_its_userinfo(setting: str, value: object, shown: str) -> None:
+    """Review of 3a2a9c4: every value with an `@` and a `:` lost all up to its last `@`, so a refused
+    `--timing-profile h200:nope@10x` was shown as '10x'."""
+    said = str(ConfigError(setting, value, "no"))
+    assert f"{shown}: no" in said and "pw" not in said, said
+
+
+@pytest.mark.parametrize(
     ("settings", "flags"),
     [
         (NatsSettings(servers=[f"nats://alice:{SECRET}@h:1"]), ["the user and password in --nats-servers"]),

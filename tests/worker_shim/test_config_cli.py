@@ -253,6 +253,16 @@ def test_durations_and_the_timing_profile_are_checked(kw: dict[str, object], wor
     assert err.value.setting == next(iter(kw)) and words in str(err.value)
 
 
+def test_a_refused_timing_profile_at_a_speedup_is_shown_whole() -> None:
+    """Review of 3a2a9c4: shown as `= '10x'`, ConfigError cutting all up to the `@` as a URL's userinfo."""
+    with pytest.raises(ConfigError) as err:
+        ShimConfig(model="m", kv_events="tcp://*:1", timing_profile="h200:nope@10x").validate()
+    said = str(err.value)
+    assert said.startswith("invalid timing_profile (--timing-profile, KVSWITCH_TIMING_PROFILE) = 'h200:nope@10x': "), (
+        said
+    )
+
+
 def test_a_malformed_operator_timing_table_is_refused_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Audit 2026-12-04: only the name was checked, so the worker registered a table (here without
     `decode`) that the router's planner then failed on for every request of the model."""
