@@ -48,6 +48,7 @@ from bench.stop_signals import held
 from discovery import Discovery, put_config
 from kvswitch.client import Completion, CompletionClient
 from kvswitch.cluster import ClusterSpec, LocalCluster
+from kvswitch.up import check_log_dir
 from protocol import KvEventBatch, Stored, WorkerInfo, encode_msg, subjects
 from protocol.config import EtcdSettings
 from protocol.timing import TimingModel
@@ -478,12 +479,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_numbers(args: argparse.Namespace) -> None:
+def _check_flags(args: argparse.Namespace) -> None:
     """Before a cluster starts: a --rate of 0 divided by zero once one had, and a NaN, infinite or
-    negative number ran for ever (a NaN --warmup slept for ever, an infinite --rate sent with no pause)."""
+    negative number ran for ever (a NaN --warmup slept for ever, an infinite --rate sent with no pause);
+    a --log-dir that cannot be made or written failed the first cluster's start, a traceback after
+    'stopped early: nothing was measured'."""
     check_positive("--rate", args.rate)
     for flag, value in (("--warmup", args.warmup), ("--window", args.window), ("--settle", args.settle)):
         check_non_negative(flag, value)
+    if args.log_dir is not None:
+        check_log_dir(args.log_dir, [])  # its logs go in a directory per scenario, made by their clusters
 
 
 def run(args: argparse.Namespace) -> int:
@@ -493,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvswitch bench chaos: unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
         return 2
     try:
-        _check_numbers(args)
+        _check_flags(args)
     except ValueError as exc:
         print(f"kvswitch bench chaos: {exc}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ from protocol.config import RouterSettings, resolve
 from protocol.errors import try_listen
 from protocol.timing import check_speedup, profile_names
 
-__all__ = ["PASSES_UNKNOWN_ARGS", "UpFlagError", "add_arguments", "run"]
+__all__ = ["PASSES_UNKNOWN_ARGS", "UpFlagError", "add_arguments", "check_log_dir", "run"]
 
 PASSES_UNKNOWN_ARGS = True
 # How often the supervisor looks for children and servers that exited (it wakes at each restart
@@ -173,7 +173,10 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         raise UpFlagError(f"kvswitch up: --namespace must match [A-Za-z0-9_-]+, got {args.namespace!r}") from None
     log_dir = Path(args.log_dir) if args.log_dir else None
     if log_dir is not None:
-        _check_log_dir(log_dir, _log_names(args, routers))
+        try:
+            check_log_dir(log_dir, _log_names(args, routers))
+        except ValueError as exc:
+            raise UpFlagError(f"kvswitch up: {exc}") from None
     if not args.model.strip():
         raise UpFlagError("kvswitch up: --model must name the served model, got an empty name")
     restart = _restart_policy(args)
@@ -311,27 +314,28 @@ def _log_names(args: argparse.Namespace, routers: int) -> list[str]:
     ]  # fmt: skip
 
 
-def _check_log_dir(log_dir: Path, names: list[str]) -> None:
-    """Children write their logs there: a directory that cannot be made or written is refused now,
-    not at the first child, after NATS and etcd started. Written, not asked (os.access): root is
-    allowed everywhere by the mode bits, yet not in /sys or /proc. So is a symlink in the place of a
-    log of `names` (fnmatch patterns), which every log's open refuses (servers.open_log): it was a
-    bare "Too many levels of symbolic links", exit 1, once NATS had started."""
+def check_log_dir(log_dir: Path, names: list[str]) -> None:
+    """Children write their logs there: a directory that cannot be made or written is refused now
+    (ValueError naming --log-dir), not at the first child, after NATS and etcd started. Written, not
+    asked (os.access): root is allowed everywhere by the mode bits, yet not in /sys or /proc. So is a
+    symlink in the place of a log of `names` (fnmatch patterns), which every log's open refuses
+    (servers.open_log): it was a bare "Too many levels of symbolic links", exit 1, once NATS had
+    started. `bench chaos --log-dir` is checked so too."""
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UpFlagError(f"kvswitch up: --log-dir {log_dir}: cannot create it: {exc.strerror or exc}") from None
+        raise ValueError(f"--log-dir {log_dir}: cannot create it: {exc.strerror or exc}") from None
     try:
         with tempfile.NamedTemporaryFile(dir=log_dir, prefix=".kvswitch-probe-"):
             pass
     except OSError as exc:
-        raise UpFlagError(f"kvswitch up: --log-dir {log_dir}: not writable: {exc.strerror or exc}") from None
+        raise ValueError(f"--log-dir {log_dir}: not writable: {exc.strerror or exc}") from None
     with os.scandir(log_dir) as entries:
         linked = sorted(
             e.name for e in entries if e.is_symlink() and any(fnmatch.fnmatchcase(e.name, n) for n in names)
         )
     if linked:
-        raise UpFlagError(f"kvswitch up: --log-dir {log_dir}: {symlinked(log_dir / linked[0])}")
+        raise ValueError(f"--log-dir {log_dir}: {symlinked(log_dir / linked[0])}")
 
 
 def _check_ports(spec: ClusterSpec) -> None:

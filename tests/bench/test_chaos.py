@@ -110,3 +110,32 @@ def test_the_log_dir_keeps_each_scenarios_process_logs(tmp_path: Path, monkeypat
     with pytest.raises(RuntimeError, match="not started"):
         run_scenario(SCENARIOS["kill_decode_shim"])
     assert [s.log_dir for s in started] == [None]
+
+
+@pytest.mark.parametrize("kind", ["file", "unwritable"])
+def test_a_log_dir_that_cannot_be_written_is_refused_before_a_cluster_starts(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review of 0a1be40: the first cluster's start failed on it, a traceback after 'stopped early:
+    nothing was measured'. Now checked as `kvswitch up` checks its own (kvswitch.up.check_log_dir), exit 2."""
+    started: list[ClusterSpec] = []
+    monkeypatch.setattr(chaos, "LocalCluster", started.append)
+    given = tmp_path / "logs"
+    if kind == "file":
+        given.write_text("")
+        given = given / "under-a-file"
+        why = "cannot create it"
+    else:  # the probe's write fails as it does in a read-only directory, whoever runs the test (root too)
+        given.mkdir()
+
+        def refused(**kw: object) -> None:
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr("kvswitch.up.tempfile.NamedTemporaryFile", refused)
+        why = "not writable: Permission denied"
+    parser = argparse.ArgumentParser()
+    chaos.add_arguments(parser)
+    args = parser.parse_args(["--scenarios", "forged_seq", "--out", str(tmp_path), "--log-dir", str(given)])
+    assert chaos.run(args) == 2 and not started
+    said = capsys.readouterr().err
+    assert said.startswith(f"kvswitch bench chaos: --log-dir {given}: {why}"), said
