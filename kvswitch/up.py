@@ -83,9 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routers", type=int, default=None, metavar="R",
                         help="router replicas, which need workers (default: 1 with workers, else 0)")  # fmt: skip
     parser.add_argument("--http-port", type=int, default=8080, help="first router's port; the next ones follow")
-    parser.add_argument(
-        "--speedup", type=float, default=1.0, help="simulated engines run this many times faster (0.001..1000000)"
-    )
+    parser.add_argument("--speedup", type=float, default=1.0,
+                        help="simulated engines run this many times faster than --profile (0.001..1000000); "
+                             "their shims register the profile at this speed, so the routers predict in real "
+                             "seconds, and the router flags --slo-ttft-s and --slo-itl-s, passed on unchanged, "
+                             "are real seconds too (divide an SLO in the profile's seconds by it)")  # fmt: skip
     parser.add_argument("--model", default="sim-llama", help="served model name")
     # No argparse choices: a table that does not parse names no profile, and its fault would read as an
     # unknown name. The sims' own check (_max_model_len_args: SimConfig.validate) says which (exit 2).
