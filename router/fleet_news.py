@@ -93,7 +93,11 @@ def mostly_silent(statuses: Iterable[WorkerStatus]) -> bool:
 
 async def nats_answers(nc: Client, timeout_s: int = NATS_PROBE_S) -> bool:
     """Whether `nc`'s server answers a PING within `timeout_s`: a hung one (stopped, or the network
-    to it dropping packets) leaves the connection up until nats-py's own PINGs go unanswered."""
+    to it dropping packets) leaves the connection up until nats-py's own PINGs go unanswered. A
+    connection down or reconnecting is no answer: nats-py's flush returns at once then, with no
+    round trip (a killed NATS, or a hung one once its PINGs dropped the connection, read as live)."""
+    if not nc.is_connected:
+        return False
     try:
         await flush(nc, timeout_s)
     except Exception:  # timed out, or the connection is down or closed: no answer either way

@@ -39,6 +39,52 @@ async def test_a_frozen_nats_server_does_not_answer_the_probe_and_a_live_one_doe
             await nc.close()
 
 
+async def test_a_connection_down_or_reconnecting_is_no_answer() -> None:
+    """nats-py's flush returns at once, no round trip, on a connection that is not connected: a
+    killed NATS, and a hung one once nats-py's PINGs dropped the connection, read as answering."""
+    with NatsServer() as server:
+        assert server.proc is not None
+        pid = server.proc.pid
+        nc = await nats.connect(server.url, ping_interval=1, max_outstanding_pings=1, reconnect_time_wait=0.2)
+        try:
+            with frozen(pid):
+                await until(lambda: not nc.is_connected, timeout=8.0, what="the stale connection dropped")
+                assert not await nats_answers(nc)
+            await until(lambda: nc.is_connected, what="reconnected")
+            assert await nats_answers(nc)
+            server.proc.kill()
+            server.proc.wait()
+            await until(lambda: not nc.is_connected, what="the connection lost")
+            assert not await nats_answers(nc)
+        finally:
+            await nc.close()
+
+
+async def test_a_fleet_silent_under_a_killed_nats_is_said_to_be_nats(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with NatsServer() as server:
+        assert server.proc is not None
+        cluster = Cluster(ns, server.url, etcd_url)
+        try:
+            for _ in range(2):
+                await cluster.add_worker("agg")
+            await cluster.add_ready_router(disagg="never")
+            caplog.set_level(logging.WARNING, logger="router.fleet_news")
+            caplog.clear()
+            server.proc.kill()
+            server.proc.wait()
+            await until(
+                lambda: any("can take requests" in r.getMessage() for r in caplog.records),
+                timeout=8.0,
+                what="the fleet said down",
+            )
+            (line,) = [r.getMessage() for r in caplog.records if "can take requests" in r.getMessage()]
+            assert "(silent: 2); this router's own NATS connection did not answer a round trip" in line, line
+        finally:
+            await cluster.close()
+
+
 async def test_a_fleet_silent_under_a_hung_nats_is_said_to_be_nats(
     etcd_url: str, ns: str, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
