@@ -32,7 +32,7 @@ thousand neither grow a router's memory nor silence the next stranger's line.
 `FirstHeard` is when each sender with no record was first heard: a shim publishes its first load
 reports before its registration's put lands, and "no usable record" was said at every worker's
 (re)registration (log-quality audit of 2026-12-07); said only once its record has been missing
-for RECORD_GRACE_S since.
+for RECORD_GRACE_S since, or at once while as many senders as FirstSaid keeps are in their grace.
 """
 
 from __future__ import annotations
@@ -267,27 +267,37 @@ class FirstSaid:
 
 
 class FirstHeard:
-    """When each sender with no record was first heard, for up to `limit` senders (the oldest
-    forgotten first: anyone may publish under any name)."""
+    """When each sender with no record was first heard, for up to `limit` senders at a time, each
+    kept `keep_s` at most (anyone may publish under any name). A sender heard while the table is
+    full is past its grace at once (FirstSaid caps what is said): evicted oldest first, more than
+    `limit` senders reporting in turn each left before its next report, and none was ever said
+    (review of 2026-12-07)."""
 
     def __init__(
         self,
         grace_s: float = RECORD_GRACE_S,
         *,
         limit: int = UNREGISTERED_SAID,
+        keep_s: float = UNREGISTERED_SAID_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.grace_s = grace_s
         self.limit = limit
+        self.keep_s = keep_s
         self._clock = clock
         self._heard: dict[str, float] = {}  # insertion-ordered: oldest first
 
     def past_grace(self, sender: str) -> bool:
         """`sender` is heard now with no record: whether it has had none for `grace_s` since first heard."""
-        now = self._clock()
-        first = self._heard.setdefault(sender, now)
-        if len(self._heard) > self.limit:
-            del self._heard[next(iter(self._heard))]
+        now, heard = self._clock(), self._heard
+        # names minted once must not fill the table for good, leaving every later sender no grace
+        while heard and now - next(iter(heard.values())) > self.keep_s:
+            del heard[next(iter(heard))]
+        first = heard.get(sender)
+        if first is None:
+            if len(heard) >= self.limit:
+                return True
+            heard[sender] = first = now
         return now - first >= self.grace_s
 
     def forget(self, sender: str) -> None:

@@ -30,7 +30,15 @@ from router.block_index import BlockIndex
 from router.calibration import DROPPED_WARN_AFTER, NO_CONTEXT_WARN_AFTER, Calibration
 from router.dispatch import Dispatcher
 from router.eligibility import NAMED_AT_MOST, PREFILL_COOLDOWN_S, Eligibility, Exclusion
-from router.fleet_lines import FleetEpisodes, FleetLines, FleetLog
+from router.fleet_lines import (
+    RECORD_GRACE_S,
+    UNREGISTERED_SAID,
+    UNREGISTERED_SAID_S,
+    FirstHeard,
+    FleetEpisodes,
+    FleetLines,
+    FleetLog,
+)
 from router.gap_repair import FailureKind, GapRepair
 from router.kv_ingest import KvIngest
 from router.leg import LegError
@@ -94,6 +102,42 @@ async def test_a_clock_stepped_back_opens_a_new_window(caplog: pytest.LogCapture
     named, summary = _lines(caplog, "tests.fleet_lines", logging.WARNING, "hit it")
     assert named == [f"worker {w} hit it" for w in WORKERS[: 2 * NAMED_AT_MOST]]
     assert summary == [f"and {FLEET - 2 * NAMED_AT_MOST} more workers: the cause"]
+
+
+def test_more_senders_with_no_record_than_the_table_holds_are_each_past_grace_in_time() -> None:
+    """Evicted oldest first, 1,025 senders with no record reporting in turn each left the table
+    before its next report, and none was ever said (review of 2026-12-07)."""
+    now = [0.0]
+    heard = FirstHeard(clock=lambda: now[0])
+    senders = [f"w{i:05d}" for i in range(UNREGISTERED_SAID + 1)]
+    past = set()
+    while now[0] <= RECORD_GRACE_S:
+        past |= {s for s in senders if heard.past_grace(s)}
+        now[0] += 0.5
+    assert past == set(senders)
+
+
+def test_a_sender_with_no_record_is_past_grace_under_a_flood_of_minted_names() -> None:
+    now = [0.0]
+    heard = FirstHeard(clock=lambda: now[0])
+    assert not heard.past_grace("stranger")  # in its grace
+    minted = (f"forged{i}" for i in range(10**6))
+    for _ in range(UNREGISTERED_SAID):
+        heard.past_grace(next(minted))
+    assert heard.past_grace(next(minted))  # the table full: no grace to give
+    now[0] = RECORD_GRACE_S
+    assert heard.past_grace("stranger")
+
+
+def test_names_heard_once_leave_the_table_so_a_later_sender_has_its_grace() -> None:
+    now = [0.0]
+    heard = FirstHeard(clock=lambda: now[0])
+    for i in range(UNREGISTERED_SAID):
+        heard.past_grace(f"forged{i}")
+    now[0] = UNREGISTERED_SAID_S + 1
+    assert not heard.past_grace("registering")  # its record may still land
+    heard.forget("registering")  # it landed
+    assert not heard.past_grace("registering")  # its next record-less report starts the grace again
 
 
 def test_an_episode_named_as_it_began_is_named_as_it_ends_unless_its_worker_left(

@@ -147,6 +147,33 @@ async def test_a_sender_with_no_record_is_said_only_once_it_has_had_none_for_the
     assert len(said("early")) == 1
 
 
+async def test_more_senders_with_no_record_than_the_grace_table_holds_are_said(
+    cluster: Cluster, nc: Client, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1,100 senders with no record reporting in turn, their grace kept: the table of when each was
+    first heard held 1,024, evicted oldest first, each gone before its next report, and none was
+    said (review of 2026-12-07). Now those heard while it is full are said at once, as many as
+    FirstSaid holds (1,024: the first few named, the rest counted)."""
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    monkeypatch.setattr(router._first_heard, "grace_s", 0.2)  # a shorter grace, not none
+    caplog.set_level(logging.INFO, logger="router.service")
+    before = router.load_unknown
+    senders = [f"stray{i:05d}" for i in range(1100)]
+    for n in (1, 2):
+        for sender in senders:
+            await nc.publish(subjects.load(cluster.ns, sender), encode_msg(LoadReport(worker=sender, ts=time.time())))
+        await flush(nc)
+        dropped = before + n * len(senders)
+        await until(lambda: router.load_unknown >= dropped, what="each report dropped")  # noqa: B023
+        await asyncio.sleep(0.25)  # every sender past the grace
+    router._unregistered_lines.flush()
+    named = [r.getMessage() for r in caplog.records if "dropped: it has no usable record" in r.getMessage()]
+    summaries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("and ")]
+    assert len(named) == NAMED_AT_MOST
+    assert [m.split(":")[0] for m in summaries] == [f"and {1024 - NAMED_AT_MOST} more workers"], summaries
+
+
 async def test_a_load_report_with_a_negative_count_is_dropped_and_counted(
     cluster: Cluster, nc: Client, http: aiohttp.ClientSession
 ) -> None:
