@@ -7,7 +7,8 @@ ConnectionKey (log-quality audit of 2026-12-07). A `LegFailures` says the first 
 episode, a (worker, failure kind) pair, as its caller said every one before, the request named; the
 rest are counted (each said at DEBUG) and their count said at most every EVERY_S; the episode's end
 is said at INFO with its count: when a leg on the worker gives output, when the worker leaves, when
-the router stops, or after EVERY_S with no such failure.
+the router stops, or once EVERY_S have passed since its last such failure (a late timer, a stalled
+loop's, ended an episode whose count a failure had just said: review of 2026-12-07).
 
 `brief` shortens an engine error its shim passed on as aiohttp's repr ("http://…: ClientConnectorError(
 ConnectionKey(host=…, …), ConnectionRefusedError(111, …))") to its essence ("connection refused
@@ -56,6 +57,7 @@ def brief(message: str) -> str:
 class _Episode:
     began: float
     said: float  # when its last line was said
+    last_at: float  # when its last leg failed
     failed: int = 1  # legs in all
     unsaid: int = 0  # since its last line
     timer: asyncio.TimerHandle | None = None
@@ -80,7 +82,7 @@ class LegFailures:
         kinds = self._episodes.setdefault(worker, {})
         ep = kinds.get(kind)
         if ep is None:
-            kinds[kind] = ep = _Episode(now, now)
+            kinds[kind] = ep = _Episode(now, now, now)
             self._log.warning(
                 msg + "; further %s failures on worker %s are counted (said every %gs at most) until it serves again",
                 *args,
@@ -90,10 +92,11 @@ class LegFailures:
                 extra=extra,
                 stacklevel=2,
             )
-            self._arm(worker, kind, ep)
+            self._arm(worker, kind, ep, self.every_s)
             return
         ep.failed += 1
         ep.unsaid += 1
+        ep.last_at = now
         self._log.debug(msg, *args, extra=extra, stacklevel=2)
         if now - ep.said >= self.every_s:  # its timer is late (a stalled loop) or there is no loop
             self._count(worker, kind, ep, now)
@@ -113,19 +116,22 @@ class LegFailures:
         for worker in list(self._episodes):
             self._end(worker, "is left as the router stops")
 
-    def _arm(self, worker: str, kind: str, ep: _Episode) -> None:
+    def _arm(self, worker: str, kind: str, ep: _Episode, delay_s: float) -> None:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # a synchronous caller: the next failure says the count
             return
-        ep.timer = loop.call_later(self.every_s, self._due, worker, kind)
+        ep.timer = loop.call_later(delay_s, self._due, worker, kind)
 
     def _due(self, worker: str, kind: str) -> None:
         ep = self._episodes[worker][kind]
         ep.timer = None
+        now = self._clock()
         if ep.unsaid:
-            self._count(worker, kind, ep, self._clock())
-            self._arm(worker, kind, ep)
+            self._count(worker, kind, ep, now)
+            self._arm(worker, kind, ep, self.every_s)
+        elif (quiet := now - ep.last_at) < self.every_s:  # a late timer: failed() said the count since
+            self._arm(worker, kind, ep, self.every_s - quiet)
         else:
             self._end(worker, f"had no {kind} failure for {self.every_s:g}s", only=kind)
 

@@ -12,6 +12,7 @@ import pytest
 
 from router.leg_failures import LegFailures, brief
 from tests.router.conftest import MODEL, Cluster
+from tests.router.polling import until
 
 REFUSED = (
     "http://127.0.0.1:26508/v1/completions: ClientConnectorError(ConnectionKey(host='127.0.0.1', port=26508, "
@@ -98,6 +99,25 @@ async def test_an_episode_with_no_failure_for_a_period_ends_on_its_timer(caplog:
         "worker w1 had no timeout failure for 0.05s: 2 of its legs failed with timeout before their first output "
         "over 0.1s",
     ], said
+
+
+async def test_an_episode_ends_on_its_timer_only_a_period_after_its_last_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stalled loop fires the timer late, after a failure said the count: the episode was said to
+    have had no failure for the period though one had just come (review of 2026-12-07)."""
+    now = [0.0]
+    failures = LegFailures(logging.getLogger("router.test"), every_s=0.05, clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="router.test")
+    failures.failed("w1", "timeout", "r1", "request %s: it failed", "r1")
+    failures.failed("w1", "timeout", "r2", "request %s: it failed", "r2")
+    now[0] += 0.3  # the loop stalled past the timer
+    failures.failed("w1", "timeout", "r3", "request %s: it failed", "r3")  # says the count: the timer is late
+    await asyncio.sleep(0.1)  # the late timer fires
+    assert not any("had no timeout failure" in r.getMessage() for r in caplog.records), caplog.records
+    now[0] += 0.1
+    await until(lambda: "had no timeout failure for 0.05s" in caplog.records[-1].getMessage(), what="its end")
+    assert ": 3 of its legs failed with timeout" in caplog.records[-1].getMessage()
 
 
 async def test_requests_failing_on_dead_engines_are_said_once_per_worker(
