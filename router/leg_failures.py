@@ -5,7 +5,10 @@ of its pool is routable: router.eligibility) failed every request sent to it unt
 about 2 s later: two WARNING lines a request, 281 in 2 s with 8 clients, each with aiohttp's whole
 ConnectionKey (log-quality audit of 2026-12-07). A `LegFailures` says the first failure of an
 episode, a (worker, failure kind) pair, as its caller said every one before, the request named; the
-rest are counted (each said at DEBUG) and their count said at most every EVERY_S; the episode's end
+rest are counted (each said at DEBUG) and their count said at most every EVERY_S with the last of
+them, its request and cause: a kind's cause may change while its legs keep failing (connection
+refused, then an engine's 503), and until 2026-12-07 the change was at DEBUG alone, a client's
+error tied to no cause at WARNING; one line a period still, whatever the causes. The episode's end
 is said at INFO with its count: when a leg on the worker gives output, when the worker leaves, when
 the router stops, or once EVERY_S have passed since its last such failure (a late timer, a stalled
 loop's, ended an episode whose count a failure had just said: review of 2026-12-07).
@@ -60,6 +63,7 @@ class _Episode:
     last_at: float  # when its last leg failed
     failed: int = 1  # legs in all
     unsaid: int = 0  # since its last line
+    last: tuple[str, tuple[object, ...]] = ("", ())  # the last failure counted: its line's msg and args
     timer: asyncio.TimerHandle | None = None
 
 
@@ -96,7 +100,7 @@ class LegFailures:
             return
         ep.failed += 1
         ep.unsaid += 1
-        ep.last_at = now
+        ep.last_at, ep.last = now, (msg, args)
         self._log.debug(msg, *args, extra=extra, stacklevel=2)
         if now - ep.said >= self.every_s:  # its timer is late (a stalled loop) or there is no loop
             self._count(worker, kind, ep, now)
@@ -136,14 +140,17 @@ class LegFailures:
             self._end(worker, f"had no {kind} failure for {self.every_s:g}s", only=kind)
 
     def _count(self, worker: str, kind: str, ep: _Episode, now: float) -> None:
+        msg, args = ep.last
         self._log.warning(
-            "worker %s: %d more legs failed with %s before their first output in the last %.0fs (%d since %.0fs ago)",
+            "worker %s: %d more legs failed with %s before their first output in the last %.0fs (%d since %.0fs "
+            "ago), the last: " + msg,
             worker,
             ep.unsaid,
             kind,
             now - ep.said,
             ep.failed,
             now - ep.began,
+            *args,
         )
         ep.unsaid, ep.said = 0, now
 

@@ -69,7 +69,7 @@ def test_an_episode_is_said_once_then_counted_every_period_then_ended(caplog: py
         (
             logging.WARNING,
             "worker w1: 30 more legs failed with engine_unavailable before their first output in the last 30s "
-            "(31 since 30s ago)",
+            "(31 since 30s ago), the last: request r30: it failed",
         ),
         (
             logging.WARNING,
@@ -87,6 +87,25 @@ def test_an_episode_is_said_once_then_counted_every_period_then_ended(caplog: py
     assert caplog.records[-1].getMessage().startswith("worker w2 left: 1 of its legs failed with engine_unavailable")
 
 
+def test_a_count_says_the_last_failure_so_a_cause_changed_within_the_kind_is_at_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Connection refused, then a TLS error, then the engine's 503, all engine_unavailable: the
+    changes were at DEBUG alone, the count naming no request and no cause (review of 2026-12-07)."""
+    now = [0.0]
+    failures = LegFailures(logging.getLogger("router.test"), every_s=30.0, clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="router.test")
+    causes = ["connection refused 127.0.0.1:1"] * 3 + ["cannot connect to 127.0.0.1:1: TLS error"] * 3 + ["engine 503"]
+    for i, cause in enumerate(causes):
+        failures.failed("w1", "engine_unavailable", f"r{i}", "request %s: %s; the client got a %d", f"r{i}", cause, 503)
+        now[0] += 5.0  # the 7th, 30 s after the first, says the count
+    said = [r.getMessage() for r in caplog.records]
+    assert said[1:] == [
+        "worker w1: 6 more legs failed with engine_unavailable before their first output in the last 30s "
+        "(7 since 30s ago), the last: request r6: engine 503; the client got a 503"
+    ], said
+
+
 async def test_an_episode_with_no_failure_for_a_period_ends_on_its_timer(caplog: pytest.LogCaptureFixture) -> None:
     failures = LegFailures(logging.getLogger("router.test"), every_s=0.05)
     caplog.set_level(logging.INFO, logger="router.test")
@@ -95,7 +114,8 @@ async def test_an_episode_with_no_failure_for_a_period_ends_on_its_timer(caplog:
     await asyncio.sleep(0.2)
     said = [r.getMessage() for r in caplog.records]
     assert said[1:] == [
-        "worker w1: 1 more legs failed with timeout before their first output in the last 0s (2 since 0s ago)",
+        "worker w1: 1 more legs failed with timeout before their first output in the last 0s (2 since 0s ago), "
+        "the last: request r2: it failed",
         "worker w1 had no timeout failure for 0.05s: 2 of its legs failed with timeout before their first output "
         "over 0.1s",
     ], said
