@@ -131,7 +131,9 @@ class LegFailures:
         ep = self._episodes[worker][kind]
         ep.timer = None
         now = self._clock()
-        if ep.unsaid:
+        if ep.unsaid and (since := now - ep.said) < self.every_s:  # failed() said a count since
+            self._arm(worker, kind, ep, self.every_s - since)
+        elif ep.unsaid:
             self._count(worker, kind, ep, now)
             self._arm(worker, kind, ep, self.every_s)
         elif (quiet := now - ep.last_at) < self.every_s:  # a late timer: failed() said the count since

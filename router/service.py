@@ -738,7 +738,7 @@ class RouterService:
         self.status = RouterStatus.STOPPED
         # Its log's last line: until 2026-12-07 it ended at "draining", the stop's end unsaid. A router
         # that never registered (its start failed, said in one line naming the fix) says nothing more.
-        if registration is not None:
+        if registration is not None and self.router_id:
             log.info("router %s stopped%s", self.router_id, " (a cancellation cut a step short)" if steps.cut else "")
         steps.end()
 

@@ -161,3 +161,4 @@ def test_a_router_with_the_worker_user_exits_2_naming_the_etcd_user(etcd_roles: 
     assert out.returncode == 2, lines
     assert "invalid etcd_user (--etcd-user" in lines[-1] and "give the router user" in lines[-1], lines
     assert "--etcd-endpoints and the server" not in out.stdout + out.stderr, lines
+    assert not any("stopped" in line for line in lines), lines  # it never registered: no "router  stopped"

@@ -140,6 +140,27 @@ async def test_an_episode_ends_on_its_timer_only_a_period_after_its_last_failure
     assert ": 3 of its legs failed with timeout" in caplog.records[-1].getMessage()
 
 
+async def test_failures_in_one_stalled_stretch_are_counted_once_per_period(caplog: pytest.LogCaptureFixture) -> None:
+    """A stalled loop: a failure says the count as its timer is late, a second one comes before the
+    overdue timer runs, which counted it at once: two count WARNINGs back to back (final read of
+    2026-12-07)."""
+    now = [0.0]
+    failures = LegFailures(logging.getLogger("router.test"), every_s=0.3, clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="router.test")
+    failures.failed("w", "refused", "r0", "request %s: cause %s", "r0", "A")
+    now[0] += 0.4  # the loop stalled past the timer
+    failures.failed("w", "refused", "r1", "request %s: cause %s", "r1", "B")  # says the count: the timer is late
+    failures.failed("w", "refused", "r2", "request %s: cause %s", "r2", "C")  # the same stalled stretch
+    await asyncio.sleep(0.35)  # the overdue timer runs, and its next is not due (the clock stood still)
+    counts = [r.getMessage() for r in caplog.records if "more legs failed" in r.getMessage()]
+    assert len(counts) == 1 and "the last: request r1: cause B" in counts[0], counts
+    now[0] += 0.35  # past the period from the count said at 0.4
+    await until(
+        lambda: any("the last: request r2: cause C" in r.getMessage() for r in caplog.records), what="its count"
+    )
+    failures.close()
+
+
 async def test_requests_failing_on_dead_engines_are_said_once_per_worker(
     cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
