@@ -105,6 +105,8 @@ from worker_shim.transfer_failures import TransferFailures
 __all__ = ["ShimStatus", "WorkerShim"]
 
 log = logging.getLogger(__name__)
+# how often a crashed loop watch is started again, at most (_check_tasks)
+LOOP_WATCH_AGAIN_S = 60.0
 _T = TypeVar("_T")
 LIVE_TIMEOUT_S = 30.0
 WAIT_SAID_S = 30.0  # how often a shim waiting for its engine says so
@@ -240,6 +242,7 @@ class WorkerShim:
         # Its stalls are no silence of etcd's (the lease's and the cut-off's lines name them), and one
         # WARNING says each (until 2026-12-07 only the router watched its loop).
         self.loop_watch = LoopWatch("this shim")
+        self._loop_watch_started = -LOOP_WATCH_AGAIN_S  # when _check_tasks last started it again
         self._cut_off = CutOff(self.loop_watch.stalled_within)
         self.norm_stats = NormaliserStats()
         self.kv_counters = PublisherCounters()
@@ -1584,9 +1587,13 @@ class WorkerShim:
         have ended, is started again in place: it is the process's, so a new session would not start
         it, and until then the shim's stalls are blamed on etcd (a review of 2026-12-07: it lay dead
         after one ERROR, and every later cut-off was named this process's stall)."""
-        if (why := ended(self.loop_watch.task)) is not None:
+        now = time.monotonic()
+        # at most once a LOOP_WATCH_AGAIN_S: one that crashes at once each start logged an ERROR with
+        # its traceback at every health check (final read of 2026-12-07)
+        if now - self._loop_watch_started >= LOOP_WATCH_AGAIN_S and (why := ended(self.loop_watch.task)):
             self._count_task_failure("loop_watch")
-            log.info("%s; started again", why)
+            log.info("%s; started again (at most once a %.0fs)", why, LOOP_WATCH_AGAIN_S)
+            self._loop_watch_started = now
             self.loop_watch.start()
         presence = self._presence
         if presence is None:

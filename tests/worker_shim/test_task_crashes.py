@@ -402,6 +402,27 @@ async def test_a_crashed_loop_watch_is_said_counted_and_started_again_the_sessio
         assert shim.worker_id == worker and shim.serving and shim.session_failures == 0  # the session went on
 
 
+async def test_a_loop_watch_crashing_at_each_start_is_started_again_at_most_once_a_period(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started again at every health check (0.1 s here), it logged an ERROR with its traceback each
+    time: 49 in 5 s (final read of 2026-12-07)."""
+
+    async def run(self: LoopWatch) -> None:
+        raise RuntimeError("injected: a loop watch that cannot run")
+
+    monkeypatch.setattr(shim_module, "LOOP_WATCH_AGAIN_S", 0.5)
+    caplog.set_level(logging.INFO)
+    async with _registered_shim(ns, nats_url, etcd_url) as shim:
+        monkeypatch.setattr(LoopWatch, "_run", run)
+        await shim.loop_watch.stop()
+        shim.loop_watch.start()
+        await asyncio.sleep(1.2)  # 12 health checks
+        crashed = [r for r in caplog.records if r.levelno == logging.ERROR and "loop-watch crashed" in r.getMessage()]
+        assert 2 <= len(crashed) <= 4, len(crashed)
+        assert shim.serving
+
+
 async def test_a_crashed_retirement_drops_the_old_id_and_the_teardown_still_ends_with_cleared(
     ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
