@@ -35,6 +35,7 @@ from bench.trace import TraceError, load_trace, shipped_trace
 from bench.virtual.delays import DEFAULT_DELAYS, Delays
 from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
 from protocol.config import url_problem
+from protocol.timing import check_speedup
 from worker_shim.credit_check import SHORT_BELOW, CreditCheck
 
 __all__ = ["DEMO", "add_arguments", "check_out", "check_out_dir", "run"]
@@ -410,6 +411,8 @@ def _check_workload_numbers(args: argparse.Namespace) -> None:
     for flag in _POSITIVE:
         if (value := getattr(args, flag[2:].replace("-", "_"), None)) is not None:
             check_positive(flag, value)
+    if (speedup := getattr(args, "speedup", None)) is not None:  # the shims register the profile at it
+        check_speedup(speedup, "--speedup")
     if (gap := getattr(args, "turn_gap", None)) is not None:  # NaN seconds made NaN arrival times
         check_non_negative("--turn-gap", gap)
 

@@ -531,7 +531,7 @@ def _model(name: str) -> TimingModel:
     try:
         model = TimingModel(load_profile(base))
     except ValueError as exc:
-        if "@" in name and base not in profile_names():  # `@ 10x`, `@10`, `@10x@2x`: say how a speed is written
+        if "@" in base or ("@" in name and _SPEED.fullmatch(name) is None):  # `@ 10x`, `@10`, `@10x@2x`
             how = "a speed-up ends the name once: @{S}x, S digits with one '.', as @10x"
             raise ValueError(f"{exc} ({how})") from None
         raise

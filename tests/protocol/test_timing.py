@@ -386,3 +386,13 @@ def test_a_malformed_mixed_table_is_a_value_error_for_the_timing_model(
     with pytest.raises(ValueError, match=re.escape(f"timing table {path}")) as err:
         TimingModel(load_profile.__wrapped__("mygpu:m"))
     assert words in str(err.value)
+
+
+def test_an_unknown_model_at_a_well_written_speedup_gets_no_hint_on_writing_one() -> None:
+    """The hint is for a speed-up written wrong; a right one on an unknown model pointed the
+    operator at the part of the name that was right (final read of 432f06f)."""
+    with pytest.raises(ValueError) as known:
+        TimingModel.for_profile("h200:nope@10x")
+    assert "unknown timing profile 'h200:nope'" in str(known.value) and "ends the name once" not in str(known.value)
+    with pytest.raises(ValueError, match="ends the name once"):
+        TimingModel.for_profile("h200:llama-3.1-8b@10")
