@@ -479,7 +479,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_flags(args: argparse.Namespace) -> None:
+def _check_flags(args: argparse.Namespace, names: list[str]) -> None:
     """Before a cluster starts: a --rate of 0 divided by zero once one had, and a NaN, infinite or
     negative number ran for ever (a NaN --warmup slept for ever, an infinite --rate sent with no pause);
     a --log-dir that cannot be made or written failed the first cluster's start, a traceback after
@@ -488,7 +488,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     for flag, value in (("--warmup", args.warmup), ("--window", args.window), ("--settle", args.settle)):
         check_non_negative(flag, value)
     if args.log_dir is not None:
-        check_log_dir(args.log_dir, [])  # its logs go in a directory per scenario, made by their clusters
+        for name in names:  # a directory per scenario (a file in its place failed its cluster's start)
+            check_log_dir(args.log_dir / name, [])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -498,7 +499,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvswitch bench chaos: unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
         return 2
     try:
-        _check_flags(args)
+        _check_flags(args, names)
     except ValueError as exc:
         print(f"kvswitch bench chaos: {exc}", file=sys.stderr)
         return 2

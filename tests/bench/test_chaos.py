@@ -112,7 +112,7 @@ def test_the_log_dir_keeps_each_scenarios_process_logs(tmp_path: Path, monkeypat
     assert [s.log_dir for s in started] == [None]
 
 
-@pytest.mark.parametrize("kind", ["file", "unwritable"])
+@pytest.mark.parametrize("kind", ["file", "unwritable", "scenario-file"])
 def test_a_log_dir_that_cannot_be_written_is_refused_before_a_cluster_starts(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -124,6 +124,10 @@ def test_a_log_dir_that_cannot_be_written_is_refused_before_a_cluster_starts(
     if kind == "file":
         given.write_text("")
         given = given / "under-a-file"
+        why = "cannot create it"
+    elif kind == "scenario-file":  # its scenario's directory a file (final read of ae667f9)
+        given.mkdir()
+        (given / "forged_seq").write_text("")
         why = "cannot create it"
     else:  # the probe's write fails as it does in a read-only directory, whoever runs the test (root too)
         given.mkdir()
@@ -138,4 +142,4 @@ def test_a_log_dir_that_cannot_be_written_is_refused_before_a_cluster_starts(
     args = parser.parse_args(["--scenarios", "forged_seq", "--out", str(tmp_path), "--log-dir", str(given)])
     assert chaos.run(args) == 2 and not started
     said = capsys.readouterr().err
-    assert said.startswith(f"kvswitch bench chaos: --log-dir {given}: {why}"), said
+    assert said.startswith(f"kvswitch bench chaos: --log-dir {given / 'forged_seq'}: {why}"), said
