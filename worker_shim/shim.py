@@ -1103,7 +1103,7 @@ class WorkerShim:
                 name=self.config.worker_name,
                 on_lost=self._on_lease_lost,
                 on_registered=self._on_registered,
-                on_failing=self.register_failures.failed,  # /health says it while reregistering
+                on_failing=self._reregister_failed,
                 on_answered=self._lost_lease_waited,
                 before_create=self._before_announce,
                 claims=self._engine_claim,
@@ -1213,9 +1213,16 @@ class WorkerShim:
                         exc, self.config.lease_ttl + NAME_WAIT_MARGIN_S)  # fmt: skip
         return now - self._held_since < self.config.lease_ttl + NAME_WAIT_MARGIN_S
 
+    def _reregister_failed(self, exc: DiscoveryError, retry_s: float) -> None:
+        """Registering anew, a try etcd failed (Registration's on_failing): /health says it, as for
+        the session's first registration."""
+        self.status = ShimStatus.WAITING_ETCD
+        self.register_failures.failed(exc, retry_s)
+
     def _lost_lease_waited(self, exc: KeyTaken) -> None:
         """Registering anew, etcd answered that the key is still held by the lost lease (its revoke
         failed): the failing episode ends while the lease is waited out (Registration's on_answered)."""
+        self.status = ShimStatus.REGISTERING
         self.register_failures.answered(f"this shim's lost lease {exc.holder:x}")
 
     def _taken(self, exc: KeyTaken) -> ConfigError:
@@ -1417,6 +1424,8 @@ class WorkerShim:
         )  # fmt: skip
 
     async def _on_lease_lost(self, old: str) -> None:
+        # Registering anew: until 2026-12-07 /health said "registered" on its 503.
+        self.status = ShimStatus.REGISTERING
         self.registered.clear()
         self.epoch = secrets.randbits(64) | 1
         presence, self._presence = self._presence, None

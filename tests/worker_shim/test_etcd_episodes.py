@@ -266,7 +266,8 @@ async def test_registering_anew_into_a_full_etcd_is_one_episode_on_health(
     ns: str, nats_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A lost lease that etcd would not let register anew (its quota full) was a WARNING each try,
-    0.2 s doubling to 5 s, and /health said "reregistering" and nothing of etcd (22 lines in 90 s)."""
+    0.2 s doubling to 5 s, and /health said "reregistering" and nothing of etcd (22 lines in 90 s);
+    its `status` said "registered" on the 503 until 2026-12-07."""
     monkeypatch.setattr(registration_module, "RETRY_MAX_S", 0.1)  # many tries in a short test
     caplog.set_level(logging.INFO)
     with EtcdServer() as etcd:  # its own: the alarm refuses every client's writes
@@ -282,7 +283,9 @@ async def test_registering_anew_into_a_full_etcd_is_one_episode_on_health(
             status, body = await health(shim.http.url)
             nospace_alarm(etcd, "DEACTIVATE")
             await wait_for(lambda: shim.registered.is_set() and shim.worker_id != first, 15, "registered anew")
-    assert status == 503 and body["registration"] == "reregistering", body
+            anew = await health(shim.http.url)
+    assert status == 503 and body["registration"] == "reregistering" and body["status"] == "waiting_etcd", body
+    assert anew[0] == 200 and anew[1]["status"] == "serving" and anew[1]["registration"] == "registered", anew
     why = str(body["etcd_why"])
     assert why.startswith("registering with etcd fails for") and "database space exceeded" in why, body
     assert why.endswith(NO_SPACE) and "--etcd-endpoints" not in why, body
@@ -425,7 +428,7 @@ async def test_etcd_answering_that_the_lost_lease_still_holds_the_worker_name_en
     """Registering anew after the lease's loss, etcd refusing writes, then answering that the lost
     lease (its revoke failed) still holds --worker-name (waited out, retries at most 5 s apart):
     /health said "registering with etcd fails for N s", N growing, etcd answering all along, until
-    the key came free (review of 2026-12-07)."""
+    the key came free (review of 2026-12-07); its `status` said "registered" throughout."""
     caplog.set_level(logging.INFO)
     with EtcdServer() as etcd:  # its own: the alarm refuses every client's writes
         async with (
@@ -448,7 +451,9 @@ async def test_etcd_answering_that_the_lost_lease_still_holds_the_worker_name_en
             async with Discovery(EtcdSettings(endpoints=[etcd.url]), ns) as d:
                 assert await d.holder(subjects.worker_key(ns, "w")) == old.id, "the lost lease holds it still"
     assert str(failing[1]["etcd_why"]).startswith("registering with etcd fails for"), failing
+    assert failing[1]["status"] == "waiting_etcd", failing
     assert status == 503 and body["registration"] == "reregistering" and body["etcd_why"] == "", body
+    assert body["status"] == "registering", body
     [ended] = _said(caplog, "until etcd answered")
     assert ended.levelno == logging.INFO and ended.getMessage().startswith("registering with etcd failed for ")
     assert ended.getMessage().endswith(f"the key is held by this shim's lost lease {old.hex_id}, waited out")

@@ -151,6 +151,35 @@ async def test_a_lost_lease_registers_anew_and_the_old_id_is_served_for_the_grac
         await nc.close()
 
 
+async def test_a_shim_registering_anew_says_registering_on_health_then_serving(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """Registering anew after the lease's loss, /health answered 503 with `status` "registered"
+    (until 2026-12-07): a word that reads healthy on a shim routers no longer see."""
+    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
+        await shim.registered.wait()
+        old, reg = shim.worker_id, shim.registration
+        assert reg is not None
+        gate = asyncio.Event()
+        create = reg._register
+
+        async def held() -> None:
+            await gate.wait()
+            await create()
+
+        reg._register = held  # type: ignore[method-assign]  # the new key waits: /health read meanwhile
+        await _revoke_behind_its_back(shim, etcd_url, ns)
+        anew = RegistrationState.REREGISTERING
+        await wait_for(lambda: reg.state is anew and not shim.registered.is_set(), 10, "registering anew")
+        during = await health(shim.http.url)
+        gate.set()
+        await wait_for(lambda: shim.registered.is_set() and shim.worker_id != old, 10, "registered anew")
+        after = await health(shim.http.url)
+    assert during[0] == 503 and during[1]["registration"] == "reregistering", during
+    assert during[1]["status"] == "registering", during
+    assert after[0] == 200 and after[1]["status"] == "serving" and after[1]["registration"] == "registered", after
+
+
 async def test_a_leg_sent_to_the_old_id_is_cancelled_there_after_the_grace(
     ns: str, nats_url: str, etcd_url: str
 ) -> None:
