@@ -107,6 +107,7 @@ from protocol import (
     encode_msg,
     subjects,
 )
+from protocol.client_errors import brief
 from protocol.config import RouterSettings
 from protocol.messages import ANNOTATION_BYPASS, BAD_TRANSFER_HANDLE, PREFILL_STOPPED, transfer_handle_bound
 from router.client_buffers import CLIENT_BUFFER_MIB, ClientBuffers
@@ -114,7 +115,7 @@ from router.disagg import RoutePlan
 from router.eligibility import MALFORMED_COOLDOWN_S
 from router.fleet_lines import FleetLines, FleetLog
 from router.leg import MAX_ANSWER_BYTES, NO_LOCAL_PREFILL, SLOW_READER, Leg, LegError, time_up
-from router.leg_failures import LegFailures, brief
+from router.leg_failures import LegFailures
 from router.policies import Outcome, Path
 from router.prefill_watch import PrefillWatch
 from router.tracing import RequestTracer

@@ -64,6 +64,7 @@ import msgspec
 from aiohttp import web
 
 from protocol import GenerateRequest, SamplingParams
+from protocol.client_errors import brief
 from protocol.messages import (
     ANNOTATION_BYPASS,
     ENDPOINT_CHAT,
@@ -89,7 +90,6 @@ from router.client_buffers import ROOM_RETRY_S, SLICE_BYTES, SPARE_BYTES, HeldAn
 from router.dispatch import Job
 from router.expectations import ExpectRoutes, expectations, send_continue
 from router.leg import LegError
-from router.leg_failures import brief
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.planner import PlanError
 from router.request_parsing import (

@@ -12,48 +12,19 @@ error tied to no cause at WARNING; one line a period still, whatever the causes.
 is said at INFO with its count: when a leg on the worker gives output, when the worker leaves, when
 the router stops, or once EVERY_S have passed since its last such failure (a late timer, a stalled
 loop's, ended an episode whose count a failure had just said: review of 2026-12-07).
-
-`brief` shortens an engine error its shim passed on as aiohttp's repr ("http://…: ClientConnectorError(
-ConnectionKey(host=…, …), ConnectionRefusedError(111, …))") to its essence ("connection refused
-127.0.0.1:26508"): the shim words it, the router shortens it where it says it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["EVERY_S", "LegFailures", "brief"]
+__all__ = ["EVERY_S", "LegFailures"]
 
 EVERY_S = 30.0
-
-_CONNECT = re.compile(
-    r"(?:\S+: )?ClientConnector\w*Error\(ConnectionKey\(host='([^']*)', port=(\d+).*?\), (\w+)\((.*)\)\)$", re.S
-)
-_ERROR = re.compile(r"(\S+: )?(?:Client\w*|Server\w*)Error\((?:-?\d+, )?(['\"])(.*?)\2\)$", re.S)
-_STRERROR = re.compile(r"(['\"])(.*?)\1")
-
-
-def brief(message: str) -> str:
-    """`message`, an engine error's, with aiohttp's repr of a connection failure cut to its essence;
-    any other message as it is."""
-    m = _CONNECT.match(message)
-    if m is not None:
-        host, port, cause, args = m.groups()
-        if cause == "ConnectionRefusedError":
-            return f"connection refused {host}:{port}"
-        said = _STRERROR.search(args)
-        return f"cannot connect to {host}:{port}: {said[2] if said else cause}"
-    m = _ERROR.match(message)
-    if m is not None:
-        url, _, text = m.groups()
-        text = text.split(": <", 1)[0]  # ClientPayloadError's nested repr of its cause
-        return f"{url or ''}{text[:1].lower()}{text[1:]}"
-    return message
 
 
 @dataclass

@@ -10,44 +10,9 @@ import logging
 import aiohttp
 import pytest
 
-from router.leg_failures import LegFailures, brief
+from router.leg_failures import LegFailures
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
-
-REFUSED = (
-    "http://127.0.0.1:26508/v1/completions: ClientConnectorError(ConnectionKey(host='127.0.0.1', port=26508, "
-    "is_ssl=False, ssl=True, proxy=None, proxy_auth=None, proxy_headers_hash=None, server_hostname=None), "
-    "ConnectionRefusedError(111, \"Connect call failed ('127.0.0.1', 26508)\"))"
-)
-
-
-@pytest.mark.parametrize(
-    ("message", "said"),
-    [
-        (REFUSED, "connection refused 127.0.0.1:26508"),
-        (
-            "http://h:1/v1/completions: ClientConnectorError(ConnectionKey(host='h', port=1, is_ssl=False, ssl=True, "
-            "proxy=None), gaierror(-2, 'Name or service not known'))",
-            "cannot connect to h:1: Name or service not known",
-        ),
-        (
-            "http://127.0.0.1:26508/v1/completions: ClientOSError(104, 'Connection reset by peer')",
-            "http://127.0.0.1:26508/v1/completions: connection reset by peer",
-        ),
-        (
-            "http://127.0.0.1:26508/v1/completions: ServerDisconnectedError('Server disconnected')",
-            "http://127.0.0.1:26508/v1/completions: server disconnected",
-        ),
-        (
-            'http://127.0.0.1:26508/v1/completions: ClientPayloadError("Response payload is not completed: '
-            "<TransferEncodingError: 400, message='Not enough data to satisfy transfer length header.'>\")",
-            "http://127.0.0.1:26508/v1/completions: response payload is not completed",
-        ),
-        ("Internal server error (the tokenizer crashed)", "Internal server error (the tokenizer crashed)"),
-    ],
-)
-def test_an_aiohttp_error_is_cut_to_its_essence(message: str, said: str) -> None:
-    assert brief(message) == said
 
 
 def test_an_episode_is_said_once_then_counted_every_period_then_ended(caplog: pytest.LogCaptureFixture) -> None:

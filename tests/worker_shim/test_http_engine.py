@@ -5,15 +5,20 @@ a traceback and a 21,269-character line at each load poll)."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
+from protocol import SamplingParams
 from tests.worker_shim.cluster import served
 from worker_shim import ShimConfig
 from worker_shim.adapters import EngineAdapter, EngineError, make_adapter
-from worker_shim.adapters.http_engine import utf8_text
+from worker_shim.adapters.base import LegRequest
+from worker_shim.adapters.http_engine import HttpEngineAdapter, utf8_text
+from worker_shim.adapters.sglang import SglangAdapter
 from worker_shim.config import EngineKind
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -22,6 +27,13 @@ METRICS = {
     "sglang": FIXTURES / "sglang" / "metrics.txt",
     "trtllm": FIXTURES / "trtllm" / "metrics.json",
 }
+
+# a token-id leg: SGLang's own /generate
+LEG = LegRequest(request_id="r1", model="m", token_ids=[7, 8, 9], sampling=SamplingParams())
+
+
+async def _ignore(tokens: int, events: list[bytes], ids: list[int]) -> None:
+    pass
 
 
 def test_a_body_that_is_not_utf8_is_the_engines_protocol_error_naming_the_byte() -> None:
@@ -67,3 +79,28 @@ async def test_a_trtllm_metrics_that_is_not_utf8_fails_as_the_engines_protocol_e
     assert (err.code, err.kind) == (502, "engine_protocol") and err.message.startswith(
         f"{url}/metrics answered no JSON"
     )
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
+async def test_an_engine_that_refuses_connections_is_said_in_a_few_words(engine: EngineKind) -> None:
+    """Its host and port, not aiohttp's whole ConnectionKey (until 2026-12-07 its repr, ~480
+    characters, in every such error); SGLang's /generate too, its own call."""
+    with socket.socket() as sock:  # bound, never listening: a connect is refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        adapter: EngineAdapter = make_adapter(
+            ShimConfig(engine=engine, engine_url=f"http://127.0.0.1:{port}", model="m", kv_events="tcp://127.0.0.1:9")
+        )
+        await adapter.open()
+        try:
+            assert isinstance(adapter, HttpEngineAdapter)
+            calls: list[Callable[[], Awaitable[object]]] = [lambda: adapter.fetch("/metrics")]
+            if isinstance(adapter, SglangAdapter):
+                calls.append(lambda: adapter.generate(LEG, _ignore))
+            for call in calls:
+                with pytest.raises(EngineError) as err:
+                    await call()
+                said = (err.value.code, err.value.kind, err.value.message)
+                assert said == (503, "engine_unavailable", f"connection refused 127.0.0.1:{port}")
+        finally:
+            await adapter.close()

@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import email.utils
 import json
+import socket
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -722,3 +723,56 @@ def test_a_retry_after_past_a_day_is_a_day_and_only_ascii_digits_are_seconds(hea
     final chunk and the router took the worker for unreachable; '²' (a digit to str.isdigit) raised
     ValueError."""
     assert openai_http.retry_after_s(header) == seconds
+
+
+async def test_an_engine_that_refuses_connections_is_said_in_a_few_words() -> None:
+    """Each call's error names the engine's host and port, not aiohttp's whole ConnectionKey (until
+    2026-12-07 its repr, ~480 characters, in every leg's error, log line and client 503)."""
+    with socket.socket() as sock:  # bound, never listening: a connect is refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        adapter = VllmAdapter(
+            ShimConfig(engine="vllm", engine_url=f"http://127.0.0.1:{port}", model="m", kv_events="tcp://127.0.0.1:1")
+        )
+        await adapter.open()
+        try:
+            refused = f"connection refused 127.0.0.1:{port}"
+            calls: list[tuple[Callable[[], Awaitable[object]], str]] = [
+                (lambda: adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m", "stream": True}), ignore), refused),
+                (lambda: adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m"}), ignore), refused),
+                (lambda: adapter.serve_probe([7, 8, 9], "probe-1"), refused),
+                (adapter.tokenizer_fingerprint, f"http://127.0.0.1:{port}/tokenize answered 503: {refused}"),
+            ]
+            for call, said in calls:
+                with pytest.raises(EngineError) as err:
+                    await call()
+                assert (err.value.code, err.value.kind, err.value.message) == (503, "engine_unavailable", said)
+        finally:
+            await adapter.close()
+
+
+async def test_a_stream_the_engine_drops_is_said_in_a_few_words() -> None:
+    """A connection lost mid-answer (StreamCut) names the URL and what aiohttp said, not its repr."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        event = b"data: " + EVENTS[0] + b"\n\n"
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+        writer.close()  # no last chunk: cut mid-answer
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    adapter = VllmAdapter(
+        ShimConfig(engine="vllm", engine_url=f"http://127.0.0.1:{port}", model="m", kv_events="tcp://127.0.0.1:1")
+    )
+    await adapter.open()
+    try:
+        with pytest.raises(openai_http.StreamCut) as err:
+            await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m", "stream": True}), ignore)
+        assert err.value.message == f"http://127.0.0.1:{port}/v1/completions: response payload is not completed"
+    finally:
+        await adapter.close()
+        server.close()
+        await server.wait_closed()

@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from protocol.client_errors import essence
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth, ModelCard
 from worker_shim.adapters.openai_http import model_cards, post_utility
 from worker_shim.config import ShimConfig
@@ -154,7 +155,7 @@ class HttpEngineAdapter(EngineAdapter):
                     raise EngineError(resp.status, "engine_error", f"{self.base}{path} answered {resp.status}")
                 return await resp.read()
         except NETWORK_ERRORS as exc:
-            raise EngineError(503, "engine_unavailable", f"{self.base}{path}: {exc!r}") from exc
+            raise EngineError(503, "engine_unavailable", essence(exc, self.base + path)) from exc
 
     async def fetch_text(self, path: str) -> str:
         """fetch()'s body as UTF-8 text (utf8_text)."""

@@ -36,6 +36,7 @@ import aiohttp
 import msgspec
 
 from protocol import Usage
+from protocol.client_errors import essence
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RETRY_AFTER_MAX_S, lax_bool, lax_int
 from worker_shim.adapters.base import EngineError, LegRequest, ModelCard, OnOutput
 
@@ -279,7 +280,7 @@ class StreamCut(EngineError):
     trtllm-serve cuts a streamed request that failed in its engine so, its 200 already sent)."""
 
     def __init__(self, url: str, exc: BaseException) -> None:
-        super().__init__(503, "engine_unavailable", f"{url}: {exc!r}")
+        super().__init__(503, "engine_unavailable", essence(exc, url))
 
 
 class Result:
@@ -477,7 +478,7 @@ async def post_utility(
         async with session.post(url, data=_encode.encode(body), headers=headers, timeout=timeout) as resp:
             raw = await resp.read()
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
-        raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
+        raise EngineError(503, "engine_unavailable", essence(exc, url)) from exc
     if resp.status != 200:
         raise error_from(resp.status, raw, resp.headers.get("Retry-After"))
     return raw
@@ -537,6 +538,6 @@ async def post_completion(
                 raise EngineError(502, "engine_protocol", f"{url}: the stream ended without [DONE]")
             return result
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
-        raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
+        raise EngineError(503, "engine_unavailable", essence(exc, url)) from exc
     except msgspec.DecodeError as exc:
         raise EngineError(502, "engine_protocol", f"{url} sent malformed JSON: {exc}") from exc

@@ -70,6 +70,7 @@ import aiohttp
 import msgspec
 
 from protocol import ConfigError, Usage
+from protocol.client_errors import essence
 from protocol.messages import ENDPOINT_CHAT
 from runtime import StopSteps, cancel_and_wait
 from worker_shim.adapters.base import (
@@ -641,7 +642,7 @@ class SglangAdapter(ZmqEventsAdapter):
             await self._abort(leg.request_id)
             raise
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise EngineError(503, "engine_unavailable", f"{self.base}/generate: {exc!r}") from exc
+            raise EngineError(503, "engine_unavailable", essence(exc, f"{self.base}/generate")) from exc
         except msgspec.DecodeError as exc:
             raise EngineError(502, "engine_protocol", f"malformed /generate response: {exc}") from exc
 

@@ -50,6 +50,7 @@ import msgspec
 
 from protocol import ConfigError, SamplingParams
 from protocol import vllm_metrics as vm
+from protocol.client_errors import essence
 from protocol.fingerprint import PROBES, ChatProbe, fingerprint
 from protocol.messages import BAD_TRANSFER_HANDLE, ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE, PREFILL_STOPPED
 from worker_shim.adapters.base import (
@@ -460,7 +461,7 @@ class VllmAdapter(ZmqEventsAdapter):
             ) as resp:
                 raw = await resp.read()
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
-            raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
+            raise EngineError(503, "engine_unavailable", essence(exc, url)) from exc
         if resp.status != 200:
             raise error_from(resp.status, raw)
         try:
