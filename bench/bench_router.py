@@ -73,6 +73,7 @@ import uvloop
 from discovery import Discovery, Put, Snapshot
 from protocol import LoadReport, WorkerInfo, block_hashes
 from protocol.config import EtcdSettings, RouterSettings, resolve
+from protocol.timing import check_speedup
 from protocol.tokenizer import BuiltinTokenizer
 from router.block_index import BlockIndex
 from router.calibration import Calibration
@@ -661,6 +662,11 @@ def main() -> None:
     w.add_argument("--agg", type=int, default=2)
     w.add_argument("--speedup", type=float, default=1000.0)
     args = parser.parse_args()
+    if (speedup := getattr(args, "speedup", None)) is not None:  # its sims run at it, as `kvswitch up`'s
+        try:
+            check_speedup(speedup, "--speedup")
+        except ValueError as exc:
+            parser.exit(2, f"{parser.prog} {args.what}: error: {exc}\n")
     if args.what == "decision" and args.workers < 4:
         parser.error(f"--workers {args.workers}: at least 4, so that three workers hold each prompt's prefix")
     if args.what == "workers":

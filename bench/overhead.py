@@ -85,6 +85,7 @@ from bench.stop_signals import held
 from bench.trace import TokenSynth
 from bench.workloads import WorkItem
 from kvswitch.cluster import ClusterSpec, LocalCluster
+from protocol.timing import check_speedup
 
 __all__ = [
     "OverheadSpec",
@@ -675,6 +676,7 @@ def overhead_main(args: argparse.Namespace) -> int:
     if args.repeats < 1 or any(c < 1 for c in concurrencies):
         raise ValueError("--repeats and --concurrency must be >= 1")
     check_positive("--speedup", args.speedup)
+    check_speedup(args.speedup, "--speedup")  # its shims register the sims' profile at it
     check_positive("--seconds", args.seconds)
     aiperf = None if args.no_aiperf else find_aiperf(args.aiperf)
     if aiperf is None and not args.no_aiperf:

@@ -53,6 +53,7 @@ from bench.overhead import (
 )
 from bench.stop_signals import held
 from kvswitch.cluster import ClusterSpec, LocalCluster
+from protocol.timing import check_speedup
 
 __all__ = ["ReplicaSpec", "add_replicas_parser", "predicted_cpu", "project", "r_max", "replicas_main"]
 
@@ -311,6 +312,7 @@ def replicas_main(args: argparse.Namespace) -> int:
     rates = positive_numbers("--rates", args.rates)
     for flag, value in (("--check-rate", args.check_rate), ("--seconds", args.seconds), ("--speedup", args.speedup)):
         check_positive(flag, value)
+    check_speedup(args.speedup, "--speedup")  # its shims register the sims' profile at it
     spec = ReplicaSpec(
         rates=rates, check_rate=args.check_rate, replicas=ns,
         seconds=args.seconds, speedup=args.speedup, client_isl=args.client_isl, client_osl=args.client_osl,

@@ -25,7 +25,7 @@ from engine_sim.fleet import SimFleet, fleet_config, shared_ports
 from engine_sim.lora import LoraModule
 from engine_sim.server import ServerStatus
 from protocol.errors import listen_error, try_listen
-from protocol.timing import DEFAULT_PROFILE, profile_names
+from protocol.timing import DEFAULT_PROFILE, check_speedup, profile_names
 from runtime import tune_gc
 from runtime.fd_limit import raise_fd_limit
 
@@ -152,6 +152,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     if args.lora_modules and not args.enable_lora:
         # vLLM refuses to start then: its engine has no LoRA manager to load them into.
         raise SimConfigError("lora_modules", args.lora_modules[0].name, "needs --enable-lora, as vLLM's does")
+    check_speedup(args.speedup, "--speedup")  # a shim registers the sim's profile at it (`@{S}x`)
     names = args.served_model_name or [args.model]
     config = SimConfig(
         host=args.host,
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         _check_listen(config, count)
-    except SimConfigError as exc:
+    except ValueError as exc:  # a SimConfigError, or check_speedup's
         print(f"kvswitch sim: error: {exc}", file=sys.stderr)
         return 2
 

@@ -338,6 +338,7 @@ def test_a_number_read_as_no_limit_or_as_everything_is_refused_before_anything_r
 
 
 OVERHEAD = ["overhead", "--no-aiperf", "--no-peers"]
+SPEEDUPS = "0.001..1000000 (times the profile's speed)"  # protocol.timing.check_speedup's
 
 
 @pytest.mark.parametrize(
@@ -351,12 +352,16 @@ OVERHEAD = ["overhead", "--no-aiperf", "--no-peers"]
         (["chaos", "--window", "-1"], "--window must be >= 0 and finite, got -1"),
         (["chaos", "--settle", "inf"], "--settle must be >= 0 and finite, got inf"),
         ([*OVERHEAD, "--speedup", "nan"], "--speedup must be > 0 and finite, got nan"),
+        # past protocol.timing.check_speedup's bounds, the first shim's profile name was a ValueError
+        # once NATS, etcd and the sims had started
+        ([*OVERHEAD, "--speedup", "2000000"], f"--speedup must be a number in {SPEEDUPS}, got 2000000.0"),
         ([*OVERHEAD, "--seconds", "inf"], "--seconds must be > 0 and finite, got inf"),
         ([*OVERHEAD, "--rates", "50,nan"], "--rates must be finite numbers > 0, got nan"),  # passed `<= 0`
         ([*OVERHEAD, "--rates", "inf"], "--rates must be finite numbers > 0, got inf"),
         (["replicas", "--check-rate", "0"], "--check-rate must be > 0 and finite, got 0"),
         (["replicas", "--seconds", "nan"], "--seconds must be > 0 and finite, got nan"),
         (["replicas", "--speedup", "-1"], "--speedup must be > 0 and finite, got -1"),
+        (["replicas", "--speedup", "0.0001"], f"--speedup must be a number in {SPEEDUPS}, got 0.0001"),
         (["replicas", "--rates", "10,inf"], "--rates must be finite numbers > 0, got inf"),
         (["replicas", "--rates", "10,x"], "--rates: comma-separated numbers, got '10,x'"),
     ],

@@ -16,6 +16,7 @@ import aiohttp
 import msgspec
 import pytest
 
+import runtime
 from engine_sim import KVEventsConfig, SimConfig, SimConfigError, SimFleet, SimServer, fleet_config
 from engine_sim.cli import add_arguments, config_from_args, run
 from engine_sim.lora import LoraModule
@@ -90,6 +91,23 @@ def test_non_finite_durations_and_factors_exit_2(argv: list[str], capsys: pytest
     assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
     with pytest.raises(SimConfigError, match="restart-after-crash"):
         SimConfig(restart_after_crash_s=float("inf")).validate()
+
+
+def _not_run(*args: object, **kwargs: object) -> int:
+    raise AssertionError("the sims started before their flags were checked")
+
+
+@pytest.mark.parametrize("speedup", ["0.0001", "2000000"])
+def test_a_speedup_past_the_profile_bounds_is_refused_naming_the_flag(
+    speedup: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A shim registers the sim's profile at its speed-up (`@{S}x`), which protocol.timing.check_speedup
+    bounds: outside them the sim ran, and its shim's profile name was a ValueError."""
+    monkeypatch.setattr(runtime, "run_service", _not_run)
+    assert run(parse("--port", "0", "--speedup", speedup)) == 2
+    err = capsys.readouterr().err
+    want = f"--speedup must be a number in 0.001..1000000 (times the profile's speed), got {float(speedup)!r}"
+    assert err == f"kvswitch sim: error: {want}\n", err
 
 
 def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_as_vllm_does(capsys: pytest.CaptureFixture[str]) -> None:
