@@ -1216,13 +1216,20 @@ class WorkerShim:
     def _reregister_failed(self, exc: DiscoveryError, retry_s: float) -> None:
         """Registering anew, a try etcd failed (Registration's on_failing): /health says it, as for
         the session's first registration."""
-        self.status = ShimStatus.WAITING_ETCD
+        self._registration_status(ShimStatus.WAITING_ETCD)
         self.register_failures.failed(exc, retry_s)
+
+    def _registration_status(self, status: ShimStatus) -> None:
+        """What the registration's hooks say on /health, unless the shim stops: its registration
+        runs on through the drain, and a lease lost or registered anew then said `registering`, or
+        `serving` with a 200, of a draining shim (final read of 2026-12-07)."""
+        if not self._stopping.is_set():
+            self.status = status
 
     def _lost_lease_waited(self, exc: KeyTaken) -> None:
         """Registering anew, etcd answered that the key is still held by the lost lease (its revoke
         failed): the failing episode ends while the lease is waited out (Registration's on_answered)."""
-        self.status = ShimStatus.REGISTERING
+        self._registration_status(ShimStatus.REGISTERING)
         self.register_failures.answered(f"this shim's lost lease {exc.holder:x}")
 
     def _taken(self, exc: KeyTaken) -> ConfigError:
@@ -1415,7 +1422,7 @@ class WorkerShim:
         self.register_failures.registered()
         if self._registered_at is None:
             self._registered_at = time.monotonic()
-        self.status = ShimStatus.REGISTERED
+        self._registration_status(ShimStatus.REGISTERED)
         self.registered.set()
         log.info(
             "registered worker %s at %s (namespace %s: routers of the same --namespace see it; epoch %x, "
@@ -1425,7 +1432,7 @@ class WorkerShim:
 
     async def _on_lease_lost(self, old: str) -> None:
         # Registering anew: until 2026-12-07 /health said "registered" on its 503.
-        self.status = ShimStatus.REGISTERING
+        self._registration_status(ShimStatus.REGISTERING)
         self.registered.clear()
         self.epoch = secrets.randbits(64) | 1
         presence, self._presence = self._presence, None
