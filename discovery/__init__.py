@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from discovery.advice import advice
+from discovery.failed_tries import SAID_EVERY_S, FailedTries
 from discovery.lease import Lease, LeaseLost, LeaseState, renewal_interval
 from discovery.live_config import ConfigWatcher, put_config
 from discovery.registration import PutTrouble, Registration, RegistrationState
@@ -20,10 +21,12 @@ from discovery.session import Discovery, DiscoveryError, KeyTaken
 from discovery.watch import Deleted, Put, Snapshot, WatchEvent
 
 __all__ = [
+    "SAID_EVERY_S",
     "ConfigWatcher",
     "Deleted",
     "Discovery",
     "DiscoveryError",
+    "FailedTries",
     "KeyTaken",
     "Lease",
     "LeaseLost",

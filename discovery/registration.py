@@ -75,7 +75,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -83,6 +82,7 @@ from functools import partial
 import msgspec
 
 from discovery.advice import advice
+from discovery.failed_tries import SAID_EVERY_S, FailedTries
 from discovery.lease import Lease, LeaseState
 from discovery.session import DEFAULT_TTL, Discovery, DiscoveryError, KeyTaken
 from protocol import encode_json
@@ -93,7 +93,6 @@ __all__ = ["PutTrouble", "Registration", "RegistrationState"]
 log = logging.getLogger(__name__)
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
-SAID_EVERY_S = 30.0  # a re-registration failing without an owner's on_failing; a re-put failing
 
 
 class RegistrationState(enum.Enum):
@@ -116,52 +115,38 @@ class PutTrouble:
     why: str  # the last one's error, with what to do (discovery.advice)
 
 
-class _PutFailures:
+class _PutFailures(FailedTries):
     """The re-puts etcd failed since the last that worked (an episode): a WARNING as it starts, with
     what to do (discovery.advice), the count at most every SAID_EVERY_S while it lasts, an INFO as
     it ends. Until 2026-12-07 each failed try was a WARNING, one each keep-alive tick (TTL/3 s) for
     as long as etcd refused the put, naming neither what to do nor an end."""
 
-    def __init__(self) -> None:
-        self.tries = 0  # failed tries of the episode under way; 0: none
-        self._why = ""
-        self._since = 0.0
-        self._throttle = Throttle(SAID_EVERY_S)
-
     def failed(self, key: str, exc: DiscoveryError, retry_s: float) -> None:
-        now = time.monotonic()
-        if not self.tries:
-            self._since = now
-        self.tries += 1
-        hint = advice(exc)
-        self._why = f"{exc}: {hint}" if hint else str(exc)
-        if self._throttle(None) is None:
+        if not self.count(exc):
             return
         if self.tries == 1:
             log.warning("re-putting %s failed (%s): retrying each keep-alive check (every %.1fs), said again at "
                         "most every %.0fs while it fails and once it works",
-                        key, self._why, retry_s, SAID_EVERY_S)  # fmt: skip
+                        key, self.why, retry_s, SAID_EVERY_S)  # fmt: skip
         else:
             log.warning("re-putting %s still fails after %.0fs (%d tries; the last: %s)",
-                        key, now - self._since, self.tries, self._why)  # fmt: skip
+                        key, self.lasted(), self.tries, self.why)  # fmt: skip
 
     def ended(self, key: str, until: str | None = None) -> None:
         """The episode under way, if any, ends: a put worked (`until` None), or `until` says what ended it."""
         if not self.tries:
             return
-        lasted = time.monotonic() - self._since
         if until is None:
-            log.info("re-put %s after %.1fs of etcd failing it (%d tries)", key, lasted, self.tries)
+            log.info("re-put %s after %.1fs of etcd failing it (%d tries)", key, self.lasted(), self.tries)
         else:
             log.info("re-putting %s failed for %.1fs (%d tries; the last: %s) until %s",
-                     key, lasted, self.tries, self._why, until)  # fmt: skip
-        self.tries, self._why = 0, ""
-        self._throttle.forget(None)
+                     key, self.lasted(), self.tries, self.why, until)  # fmt: skip
+        self.end()
 
     def trouble(self) -> PutTrouble | None:
         if not self.tries:
             return None
-        return PutTrouble(self.tries, time.monotonic() - self._since, self._why)
+        return PutTrouble(self.tries, self.lasted(), self.why)
 
 
 class Registration:
@@ -210,7 +195,7 @@ class Registration:
         self._outages = 0  # the lease's outages the supervisor has seen end (a new lease's start at 0)
         self._tick_errors = TickErrors(log, "the registration's supervisor")
         self._failing = Throttle(SAID_EVERY_S)  # the tries to register anew that etcd failed
-        self._put_failures = _PutFailures()
+        self._put_failures = _PutFailures(every_s=SAID_EVERY_S)  # read now: tests set it
 
     @property
     def state(self) -> RegistrationState:

@@ -24,37 +24,22 @@ value stale meanwhile.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
-from discovery import DiscoveryError, Registration, RegistrationState, advice, renewal_interval
-from runtime import Throttle, clipped
+from discovery import SAID_EVERY_S, DiscoveryError, FailedTries, Registration, RegistrationState, renewal_interval
+from runtime import clipped
 
-__all__ = ["SAID_EVERY_S", "CutOff", "RegisterFailures", "stale_key"]
+__all__ = ["CutOff", "RegisterFailures", "stale_key"]
 
 log = logging.getLogger(__name__)
-SAID_EVERY_S = 30.0
 
 
-class RegisterFailures:
+class RegisterFailures(FailedTries):
     """The tries to register that etcd failed in this session, from the first since it registered."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.tries = 0  # failed tries of the episode under way; 0: none
-        self.why = ""  # the last one's error
-        self._since = 0.0
-        self._clock = clock
-        self._throttle = Throttle(SAID_EVERY_S, clock)
 
     def failed(self, exc: DiscoveryError, retry_s: float) -> None:
         """A try failed; the next comes in `retry_s`."""
-        now = self._clock()
-        if not self.tries:
-            self._since = now
-        self.tries += 1
-        hint = advice(exc)
-        self.why = clipped(f"{exc}: {hint}" if hint else str(exc))
-        if self._throttle(None) is None:
+        if not self.count(exc):
             return
         if self.tries == 1:
             log.warning(
@@ -63,12 +48,12 @@ class RegisterFailures:
             )  # fmt: skip
         else:
             log.warning("registering with etcd still fails after %.0fs (%d tries; the last: %s)",
-                        now - self._since, self.tries, self.why)  # fmt: skip
+                        self.lasted(), self.tries, self.why)  # fmt: skip
 
     def registered(self) -> None:
         if self.tries:
-            log.info("registered after %.1fs of etcd failing (%d tries)", self._clock() - self._since, self.tries)
-            self._forget()
+            log.info("registered after %.1fs of etcd failing (%d tries)", self.lasted(), self.tries)
+            self.end()
 
     def session_ended(self, stopping: bool) -> None:
         """The session ends, registered or not: an episode under way ends with it, said, and the
@@ -86,18 +71,14 @@ class RegisterFailures:
     def _end(self, end: str) -> None:
         if self.tries:
             log.info("registering with etcd failed for %.1fs (%d tries; the last: %s) until %s",
-                     self._clock() - self._since, self.tries, self.why, end)  # fmt: skip
-            self._forget()
-
-    def _forget(self) -> None:
-        self.tries, self.why = 0, ""
-        self._throttle.forget(None)
+                     self.lasted(), self.tries, self.why, end)  # fmt: skip
+            self.end()
 
     def trouble(self) -> str:
         """What /health says of the episode under way; "" when none is."""
         if not self.tries:
             return ""
-        return f"registering with etcd fails for {self._clock() - self._since:.0f} s ({self.tries} tries): {self.why}"
+        return f"registering with etcd fails for {self.lasted():.0f} s ({self.tries} tries): {self.why}"
 
 
 def stale_key(reg: Registration | None) -> str:

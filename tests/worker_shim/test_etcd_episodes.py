@@ -15,7 +15,7 @@ import grpc
 import pytest
 from etcd3aio import EtcdConnectionError
 
-from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
+from discovery import SAID_EVERY_S, Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
 from discovery import registration as registration_module
 from discovery.advice import NO_SPACE, UNANSWERED
 from discovery.lease import said
@@ -28,7 +28,7 @@ from tests.relay import Relay
 from tests.worker_shim.cluster import shim_for, sim_config, wait_for
 from tests.worker_shim.test_http_server import health, scrape
 from worker_shim.adapters import EngineHealth
-from worker_shim.etcd_episodes import SAID_EVERY_S, CutOff, RegisterFailures
+from worker_shim.etcd_episodes import CutOff, RegisterFailures
 from worker_shim.shim import WorkerShim
 
 UNRENEWED = ("kvswitch_shim_lease_unrenewed_seconds", ())
