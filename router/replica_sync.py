@@ -429,7 +429,8 @@ class ReplicaSync:
             snapshot = SyncSnapshot(seq=seq, part=part, parts=parts, bookings=bookings)
             return encode_msg(RouterSync(router=self.router_id, entries=[], snapshot=snapshot))
 
-        self._too_large &= {booking.request_id for booking in held}  # said again only if booked anew
+        if self._too_large:  # said again only if booked anew
+            self._too_large &= {booking.request_id for booking in held}
         chunks = [held[i : i + step] for i in range(0, len(held), step)] or [[]]
         return len(held), [payload for payload, _ in self._fitted(chunks, part)]
 

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from opentelemetry.trace import Span
 
-from protocol import GenerateRequest, WorkerInfo, serving, subjects
+from protocol import GenerateRequest, WorkerInfo, subjects
 from protocol.messages import ANNOTATION_BYPASS, ResponseChunk
 from router.admission import Admission
 from router.disagg import RoutePlan
@@ -30,6 +30,7 @@ from router.metrics import RouterMetrics
 from router.planner import PlanError, Planner
 from router.request_context import RequestContext, RequestShape
 from router.tracing import RequestTracer
+from router.worker_registry import engines_serving
 
 __all__ = ["NO_WORKER_RETRY_S", "RECENT_S", "RequestPath", "Unknown", "refused_records"]
 
@@ -147,8 +148,7 @@ class RequestPath:
     def _engines(self, name: str | None) -> frozenset[str]:
         if self.engines is not None:
             return self.engines(name)
-        fleet = self.workers()
-        return frozenset(info.engine for info in (serving(fleet, name) if name is not None else fleet))
+        return engines_serving(self.workers(), name)
 
     def served_lately(self) -> dict[str, str]:
         """The names requests resolved within RECENT_S, oldest first, each with its model."""

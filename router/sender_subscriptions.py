@@ -319,8 +319,12 @@ class SenderSubscriptions:
             # behind it was lost. The UNSUB goes SWITCH_OVERLAP_S after the SUBs are on the socket;
             # the server reads a connection's commands in order. No PONG is awaited: under a flood
             # it comes behind the whole backlog (0.2-0.7 s, the flood heard meanwhile).
-            with contextlib.suppress(NatsError):  # down or frozen: unsubscribed all the same
+            try:
                 await write_queued(self._nc)
+            except NatsError as exc:  # down or frozen: unsubscribed all the same; a gap is repaired
+                log.debug(
+                    "%s subscriptions' switch: the SUBs not written (%r): the overlap is not assured", self._what, exc
+                )
             await asyncio.sleep(SWITCH_OVERLAP_S)
         gone = [self._each.pop(worker) for worker in left]
         if wildcard is not None:

@@ -536,7 +536,6 @@ class RouterService:
             clashes=self.name_clashes,
             max_model_len=self.max_model_len,
             default_model=self.config.model,
-            workers=lambda: self._registry.workers() if self._registry is not None else [],
             engines=lambda name: self._registry.engines(name) if self._registry is not None else frozenset(),
             ns=self.ns,
             refused=self._refused,

@@ -64,7 +64,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Container, Iterable, KeysView, Mapping
+from collections.abc import AsyncGenerator, Callable, Container, Iterable, KeysView, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -104,6 +104,12 @@ class ContextConflict(msgspec.Struct, frozen=True):
 
     served: int  # the model's length (router.fleet_vote); the workers registering another are not routed
     workers: dict[int, list[str]]  # every length registered -> its workers, by id
+
+
+def engines_serving(fleet: Sequence[WorkerInfo], name: str | None) -> frozenset[str]:
+    """The engines (WorkerInfo.engine) of the workers of `fleet` serving `name` (a model, alias or
+    adapter; None: the whole fleet's)."""
+    return frozenset(info.engine for info in (serving(fleet, name) if name is not None else fleet))
 
 
 class WorkerRegistry:
@@ -226,26 +232,28 @@ class WorkerRegistry:
         """Registered workers, optionally of one model and/or role, sorted by id, as routed: without
         an alias that is another model's own name, and without those whose max_model_len is not
         their model's (the module's docstring)."""
-        if self._sorted is None:
-            self._sorted = [info for _, info in sorted(self._routed.items())]
         return [
             info
-            for info in self._sorted
+            for info in self._routed_sorted()
             if (model is None or info.model == model) and (role is None or info.role == role)
         ]
+
+    def _routed_sorted(self) -> list[WorkerInfo]:
+        if self._sorted is None:
+            self._sorted = [info for _, info in sorted(self._routed.items())]
+        return self._sorted
 
     def engines(self, name: str | None) -> frozenset[str]:
         """The engines (WorkerInfo.engine) of the routed workers serving `name` (a model, alias or
         adapter; None: of the whole fleet); empty where none does. Read on every request
         (RequestPath.vllm_only), so kept until the routed records change; a name none serves is
         not kept (a client's names are unbounded)."""
-        self.workers()  # _sorted, current
-        if self._engines_of is not self._sorted:
-            self._engines_of, self._engines = self._sorted, {}
+        fleet = self._routed_sorted()  # current, not copied: read on every request
+        if self._engines_of is not fleet:
+            self._engines_of, self._engines = fleet, {}
         if (known := self._engines.get(name)) is not None:
             return known
-        fleet = self._sorted or []
-        engines = frozenset(info.engine for info in (serving(fleet, name) if name is not None else fleet))
+        engines = engines_serving(fleet, name)
         if engines:
             self._engines[name] = engines
         return engines
