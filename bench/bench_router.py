@@ -380,13 +380,6 @@ async def _closed_loop(url: str, concurrency: int, requests: int, isl: int, osl:
     return done[0], done[1]
 
 
-def _reset_prefix_caches(sims: list[str]) -> None:
-    import urllib.request
-
-    for sim in sims:
-        urllib.request.urlopen(urllib.request.Request(sim + "/reset_prefix_cache", method="POST"), timeout=5).close()
-
-
 def bench_stream_cpu(
     trees: list[str], concurrency: int, requests: int, isl: int, osl: int, repeats: int, speedup: float,
     py_spy: str | None, cprofile: bool,
@@ -398,6 +391,7 @@ def bench_stream_cpu(
     import sys
 
     from bench.cpu import read_cpu_ticks
+    from bench.overhead import reset_prefix_caches
     from kvswitch.servers import EtcdServer, NatsServer, free_port
 
     hz = os.sysconf("SC_CLK_TCK")
@@ -416,7 +410,7 @@ def bench_stream_cpu(
                 for tree in trees if repeat % 2 == 0 else trees[::-1]:
                     # every phase cold, with prompts of its own: a phase that found the one
                     # before it's prompts cached skipped their prefills
-                    _reset_prefix_caches(sims)
+                    reset_prefix_caches(sims)
                     phases += 1
                     port = free_port()
                     name = f"{Path(tree).name}-r{repeat}"

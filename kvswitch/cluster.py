@@ -779,14 +779,15 @@ class LocalCluster:
         parts.append(f"children={up}/{len(self.children)} up")
         restarting = [name for name, state in states if state == "restarting"]
         dead = [name for name, state in states if state == "dead"]
-        for name in self.dead_server_names():  # names only: the log tails are up's to read, once
+        dead_servers = self.dead_server_names()
+        for name in dead_servers:  # names only: the log tails are up's to read, once
             backoff = self._server_backoff.get(name)
             (restarting if backoff is not None and backoff.restart_at is not None else dead).append(name)
         if restarting:
             parts.append("restarting=" + ",".join(restarting))
         if dead:
             parts.append("dead=" + ",".join(dead))
-        self._servers_ok = all(nats) and all(etcd) and not self.dead_server_names()
+        self._servers_ok = all(nats) and all(etcd) and not dead_servers
         return "health: " + " ".join(parts), all(nats) and all(etcd) and not dead and not restarting
 
     def restarting_only(self, now: float, grace_s: float) -> bool:
