@@ -455,6 +455,12 @@ class Dispatcher:
         self._failure_logs.append(failures)
         return failures
 
+    def _served(self, worker: str) -> None:
+        """A leg on `worker` gave output (a token, or a utility call's answer): its episodes of
+        failing legs end."""
+        for failures in self._failure_logs:
+            failures.served(worker)
+
     def worker_gone(self, worker: str) -> None:
         """The worker's etcd key is gone. Its legs in flight go on: a shim that lost its lease
         serves its old id on for --reregister-grace-s (docs/worker_shim.md), and one that died sends
@@ -697,6 +703,7 @@ class Dispatcher:
                         why = f"the answer passed {MAX_ANSWER_BYTES} bytes"
                         raise LegError(worker, 502, "answer_too_large", why, retryable=False, role=role)
                     if chunk.final:
+                        self._served(worker)
                         return b"".join(parts)
         except LegError as exc:
             self._blame(exc)
@@ -958,8 +965,7 @@ class Dispatcher:
                             generated = leg.tokens_seen = True
                     if generated and job.first_token_at is None:
                         job.first_token_at = time.monotonic()
-                        for failures in self._failure_logs:
-                            failures.served(plan.decode.worker)
+                        self._served(plan.decode.worker)
                         self._prefill_done(job)
                     elif chunk.prefilled:
                         self._prefill_done(job)  # a whole answer's prefill, done before any output

@@ -77,7 +77,7 @@ class LegFailures:
             self._count(worker, kind, ep, now)
 
     def served(self, worker: str) -> None:
-        """A leg on `worker` gave output: its episodes end."""
+        """A leg on `worker` gave output (a token, or a utility call's answer): its episodes end."""
         if self._episodes:
             self._end(worker, "serves again")
 

@@ -26,6 +26,7 @@ from router.admission import Admission
 from router.disagg import RoutePlan
 from router.dispatch import Dispatcher, Job
 from router.leg import NATS_LOST_WHY, LegError, time_up
+from router.leg_failures import LegFailures
 from router.metrics import RouterMetrics
 from router.planner import PlanError, Planner
 from router.request_context import RequestContext, RequestShape
@@ -87,6 +88,10 @@ class RequestPath:
     # names requests resolved, with when and their model (oldest first); whether any request found a worker
     _recent: dict[str, tuple[float, str]] = field(default_factory=dict, init=False, repr=False)
     seen_workers: bool = field(default=False, init=False, repr=False)
+    _handed_on: LegFailures = field(init=False, repr=False)  # utility calls a worker failed, tried on another
+
+    def __post_init__(self) -> None:
+        self._handed_on = self.dispatcher.leg_failures(log)
 
     def resolve_model(self, model: str | None) -> str:
         """The model, one of its other names, or a LoRA adapter, a request names. One that names
@@ -259,8 +264,11 @@ class RequestPath:
     async def call(self, model: str, endpoint: str, params: dict[str, Any], *, request_id: str | None = None) -> bytes:
         """A utility call (`endpoint` one of UTILITY_ENDPOINTS) on a worker of `model`: the engine's
         whole answer. Calls take the workers in turn; one that fails before answering (silent, gone,
-        a 5xx) hands the call to the next. PlanError when no worker can take it, LegError when the
-        call failed. `request_id`: the call's (its caller logs its failure by it), a new one if None."""
+        a 5xx) hands the call to the next, said once per episode of its worker and failure kind
+        (router.leg_failures; until 2026-12-07 a WARNING per call, a line per poll of a client while
+        a dead engine's worker stayed registered). PlanError when no worker can take it, LegError
+        when the call failed. `request_id`: the call's (its caller logs its failure by it), a new
+        one if None."""
         await self._check_connected()
         workers = self.planner.utility_workers(model)
         if not workers:
@@ -283,7 +291,16 @@ class RequestPath:
             except LegError as exc:
                 if not exc.retryable or time_up(deadline):  # past it, the next try is not sent
                     raise
-                log.warning("%s call %s: %s; trying %s", endpoint, req.request_id, exc, last.worker)
+                self._handed_on.failed(
+                    info.worker,
+                    exc.kind,
+                    req.request_id,
+                    "%s call %s: %s; trying %s",
+                    endpoint,
+                    req.request_id,
+                    exc,
+                    last.worker,
+                )
         return await self.dispatcher.call(last.worker, last.role, req, deadline)
 
     async def _check_connected(self) -> None:

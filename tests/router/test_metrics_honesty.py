@@ -133,6 +133,42 @@ async def test_a_utility_call_that_fails_on_its_last_try_is_logged_once_by_its_i
     assert line.endswith(f"a {status}{counted}"), line
 
 
+async def test_a_worker_whose_utility_calls_fail_is_said_once_per_episode_until_one_answers(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client polling /tokenize while one worker's engine fails every call: until 2026-12-07 each
+    call handed on was a WARNING, and an answer from that worker ended no episode (only a generated
+    token did), so its count went on until 30 s without a failure."""
+    dead, alive = [await cluster.add_worker("agg") for _ in range(2)]
+    router = await cluster.add_ready_router(disagg="never")
+    serve = dead.shim.adapter.call
+
+    async def failing(endpoint: str, body: dict[str, Any]) -> bytes:
+        raise EngineError(500, "engine_error", "Internal server error (the tokenizer crashed)")
+
+    dead.shim.adapter.call = failing  # type: ignore[method-assign]
+    caplog.set_level(logging.DEBUG, logger="router")
+    caplog.clear()
+    for _ in range(8):  # the calls take the two workers in turn: four start on the dead one
+        async with http.post(router.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}) as resp:
+            assert resp.status == 200, await resp.text()
+    handed_on = [r for r in caplog.records if r.name == "router.request_path"]
+    assert [r.levelno for r in handed_on] == [logging.WARNING] + [logging.DEBUG] * 3, handed_on
+    assert f"; trying {alive.id}; further engine_error failures on worker {dead.id} are counted" in (
+        handed_on[0].getMessage()
+    )
+    warned = [r for r in caplog.records if r.name.startswith("router") and r.levelno >= logging.WARNING]
+    assert warned == handed_on[:1], warned
+
+    dead.shim.adapter.call = serve  # type: ignore[method-assign]
+    caplog.clear()
+    for _ in range(2):
+        async with http.post(router.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}) as resp:
+            assert resp.status == 200, await resp.text()
+    ends = [r.getMessage() for r in caplog.records if r.name == "router.request_path" and r.levelno == logging.INFO]
+    assert ends and ends[0].startswith(f"worker {dead.id} serves again: 4 of its legs failed with engine_error "), ends
+
+
 async def test_a_retry_before_the_first_token_is_counted(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     doomed = await cluster.add_worker("agg", crash_after=1)  # serves one request, then its engine dies
     alive = await cluster.add_worker("agg")

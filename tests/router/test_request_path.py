@@ -5,6 +5,7 @@ LoRA adapters a request may name."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import types
 from typing import Any, cast
@@ -15,6 +16,7 @@ import pytest
 from protocol import GenerateRequest, WorkerInfo
 from protocol.messages import ENDPOINT_TOKENIZE
 from router.leg import LegError
+from router.leg_failures import LegFailures
 from router.planner import PlanError
 from router.request_path import NO_WORKER_RETRY_S, RECENT_S, RequestPath, Unknown
 from tests.router.builders import worker
@@ -30,7 +32,8 @@ class Planner:
 
 class Dispatcher:
     """Answers from every worker but those in `fails`, which raise the LegError given; those in
-    `slow` only once the call's deadline has passed."""
+    `slow` only once the call's deadline has passed. As router.dispatch's, an answer ends its
+    worker's episodes in the leg failures it handed out."""
 
     def __init__(
         self, fails: dict[str, LegError] | None = None, *, up: bool = True, slow: frozenset[str] = frozenset()
@@ -39,9 +42,15 @@ class Dispatcher:
         self.up = up
         self.slow = slow
         self.calls: list[tuple[str, str, GenerateRequest]] = []
+        self.failure_logs: list[LegFailures] = []
 
     async def connected(self) -> bool:
         return self.up
+
+    def leg_failures(self, logger: logging.Logger) -> LegFailures:
+        failures = LegFailures(logger)
+        self.failure_logs.append(failures)
+        return failures
 
     async def call(self, worker: str, role: str, req: GenerateRequest, deadline: float) -> bytes:
         self.calls.append((worker, role, req))
@@ -49,6 +58,8 @@ class Dispatcher:
             await asyncio.sleep(deadline - time.monotonic() + 0.01)
         if worker in self.fails:
             raise self.fails[worker]
+        for failures in self.failure_logs:
+            failures.served(worker)
         return b'{"from": "' + worker.encode() + b'"}'
 
 
@@ -88,6 +99,41 @@ async def test_a_worker_that_failed_before_answering_hands_the_call_on_once() ->
     with pytest.raises(LegError) as err:
         await p.call("m", ENDPOINT_TOKENIZE, {})
     assert err.value.worker == "b" and [w for w, _, _ in both.calls] == ["a", "b"], "two tries, not the fleet"
+
+
+async def test_a_worker_failing_every_call_is_said_once_per_episode_until_a_call_on_it_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A dead engine behind a worker still registered: every call that starts on it is handed on.
+    Until 2026-12-07 each was a WARNING ("trying b"), a line per call a client polled with."""
+    caplog.set_level(logging.DEBUG, logger="router.request_path")
+    dead = LegError("a", 503, "engine_unavailable", "connection refused 127.0.0.1:9", retryable=True)
+    d = Dispatcher({"a": dead})
+    p = path([worker("a", "agg"), worker("b", "agg")], d)
+    for _ in range(10):  # the calls take a and b in turn: five start on a
+        assert await p.call("m", ENDPOINT_TOKENIZE, {}) == b'{"from": "b"}'
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "router.request_path"]
+    warnings = [line for level, line in said if level == logging.WARNING]
+    assert len(warnings) == 1, said
+    assert warnings[0].startswith("tokenize call ") and warnings[0].endswith(
+        "; trying b; further engine_unavailable failures on worker a are counted (said every 30s at most) "
+        "until it serves again"
+    ), warnings[0]
+    assert [level for level, line in said[1:]] == [logging.DEBUG] * 4, said
+    assert all(line.endswith("; trying b") for _, line in said[1:]), said
+
+    caplog.clear()
+    del d.fails["a"]  # its engine is back
+    assert [await p.call("m", ENDPOINT_TOKENIZE, {}) for _ in range(2)] == [b'{"from": "a"}', b'{"from": "b"}']
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "router.request_path"]
+    assert len(said) == 1 and said[0][0] == logging.INFO, said
+    assert said[0][1].startswith("worker a serves again: 5 of its legs failed with engine_unavailable "), said
+
+    caplog.clear()
+    d.fails["a"] = dead  # it dies again: a new episode, said
+    for _ in range(2):
+        await p.call("m", ENDPOINT_TOKENIZE, {})
+    assert [r.levelno for r in caplog.records if r.name == "router.request_path"] == [logging.WARNING]
 
 
 async def test_a_call_whose_first_try_ran_past_the_deadline_tries_no_other_worker(
