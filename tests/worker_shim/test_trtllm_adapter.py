@@ -171,6 +171,44 @@ def test_blocks_holding_media_go_apart_from_their_text_prefix() -> None:
     assert tracker.malformed == 0
 
 
+def _image_then_child(image: list[Any], mm_keys: list[Any]) -> list[Any]:
+    """A text block and an image's block in one stored event, and a block stored under the image
+    in the next (`image`: its tokens, whose first is the item's as the engine writes it)."""
+    first = [
+        {"block_hash": 100, "tokens": _tok([5, 6, 7, 8]), "mm_keys": []},
+        {"block_hash": 101, "tokens": _tok(image), "mm_keys": mm_keys},
+    ]
+    child = {"block_hash": 102, "tokens": _tok([9, 9, 9, 9]), "mm_keys": []}
+    return [
+        CREATED,
+        {"event_id": 1, "data": {"type": "stored", "parent_hash": None, "blocks": first}, "window_size": 4096},
+        {"event_id": 2, "data": {"type": "stored", "parent_hash": 101, "blocks": [child]}, "window_size": 4096},
+    ]
+
+
+def test_a_v2_media_digest_token_keeps_the_chain_after_the_image_as_v1s_placeholder_does() -> None:
+    """KV cache manager V2 writes a media item's first token as its content digest (a hex string):
+    that block and the rest of its event were dropped as malformed, the child stored under it was
+    orphaned, and only the text before the first image was indexed."""
+    digest = bytes(range(32)).hex()
+    mm_keys = [{"type": "mm_key", "hash": digest, "uuid": "9dc26f865941d289", "start_offset": 0}]
+    outcomes = []
+    for first_token in (32000, digest):  # V1's placeholder id, V2's digest
+        tracker, norm = TrtllmEventTracker(), Normaliser(4)
+        (batch,) = folded(tracker, norm, _image_then_child([1, first_token, 32001, 32002], mm_keys))
+        held = (len(norm), norm.holds(block_hashes([5, 6, 7, 8], 4)[0]), norm.stats.unknown_parent)
+        folded(tracker, norm, [removed(3, 102)])  # the child was indexed under its engine hash
+        outcomes.append((tracker.malformed, *held, len(norm), [getattr(e, "media", None) for e in batch.events]))
+    assert outcomes[0] == outcomes[1] == (0, 3, True, 0, 2, ["", digest, ""])
+
+
+def test_a_string_token_id_outside_a_media_block_stays_malformed() -> None:
+    tracker, norm = TrtllmEventTracker(), Normaliser(4)
+    events = _image_then_child([1, "ab" * 32, 2, 3], [])
+    folded(tracker, norm, events)
+    assert tracker.malformed == 1 and len(norm) == 0 and norm.stats.unknown_parent == 1  # the child orphaned
+
+
 def test_a_malformed_event_is_dropped_alone_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
     """It used to drop the whole poll (its valid events too) with a reset and a WARNING per poll;
     an entry `{}` (the serializer's answer for a missing event) did the same."""

@@ -32,7 +32,11 @@ chain is credited to no request, where unsalted it was credited to base-model pr
 tokens. Blocks with `mm_keys` (the hashes of the images or other media whose placeholder tokens
 they hold) go apart from the first of them on (EngineStored.media): routers hash prompts by token
 ids alone, so two requests with the same placeholders and different images were one canonical
-chain, credited to both.
+chain, credited to both. KV cache manager V2 writes each media item's first token as the item's
+content digest (a hex string, as its mm_key's hash): in a block with `mm_keys` it is read as one
+fixed id, since the mm_keys key that chain; a string token in a block without them is malformed.
+Until 2026-12-07 the digest was malformed too: a V2 engine's media block and every block after it
+in its event were dropped, and the blocks later stored under them orphaned.
 
 A released sequence's `stored` event ends with its partly filled last block
 (kvCacheManager.cpp `storeBlocksForReuse` chops with allowPartial): that block is a leaf no
@@ -73,6 +77,10 @@ log = logging.getLogger(__name__)
 
 _STR_KEYS = 1 << 64  # string hashes are keyed from here on, above every int64 and uint64 value
 _MIN_INT = -(1 << 63)
+# KV cache manager V2 stores a media item's first token as the item's content digest (a hex
+# string, the hash its mm_key carries). The chain of a block with media is keyed by its mm_keys
+# (EngineStored.media), so the token stands in as one fixed id, as V1's placeholder id does.
+_DIGEST_TOKEN = 0
 
 
 def _key(value: object) -> int:
@@ -109,9 +117,12 @@ def _stored(data: dict[str, Any], block_size: int | None) -> EngineStored | None
             raise EventDecodeError("trtllm", "stored_block needs block_hash and tokens")
         hashes.append(_key(b["block_hash"]))
         ids: list[int] = []
+        media = bool(_media(b))
         for t in toks:
             tid = t.get("token_id") if isinstance(t, dict) else t
-            if not isinstance(tid, int):
+            if isinstance(tid, str) and media:
+                tid = _DIGEST_TOKEN
+            elif not isinstance(tid, int):
                 raise EventDecodeError("trtllm", "a stored_block token without an integer token_id")
             ids.append(tid)
         per_block.append(ids)
