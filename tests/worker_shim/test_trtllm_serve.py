@@ -281,6 +281,51 @@ async def test_limits_held_stand_for_an_answer_held_past_their_wait(
             await adapter.close()
 
 
+async def test_metrics_answering_empty_after_served_legs_is_said_once_naming_pr_13405(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A trtllm-serve with return_perf_metrics but without PR #13405 has its Prometheus collector
+    drain the stats /metrics would answer: reads come back [] while requests run and end. Each was
+    only a stale load, so a worker reporting its last load for good said nothing. [] from an idle
+    engine, or fewer than EMPTY_SAY_READS in a row, stays unsaid."""
+    stats = {"numActiveRequests": 1, "numQueuedRequests": 0,
+             "kvCacheStats": {"maxNumBlocks": 512, "usedNumBlocks": 8, "tokensPerBlock": TPB}}  # fmt: skip
+    answers: list[list[Any]] = [[stats], [], [], [], [], [], [stats]]  # then [] for good
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response(answers.pop(0) if answers else [])
+
+    async def on_output(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
+        pass
+
+    leg = LegRequest("r", "m", [1, 2, 3, 4], SamplingParams(max_tokens=2), stream=False)
+    async with _engine({"/metrics": metrics, "/v1/completions": completions}) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+
+            async def served_then_read(n: int) -> list[str]:
+                for _ in range(n):
+                    await adapter.generate(leg, on_output)
+                    assert (await adapter.load()).running == 1  # the last load read, stale
+                said = [r.getMessage() for r in caplog.records]
+                caplog.clear()
+                return said
+
+            caplog.set_level(logging.WARNING, logger="worker_shim.adapters.trtllm")
+            assert (await adapter.limits()).kv_total_blocks == 512
+            assert [(await adapter.load()).stale for _ in range(3)] == [True] * 3  # idle: nothing ran
+            assert await served_then_read(0) == []
+            assert await served_then_read(3) == []  # [], [], then stats: no run of 3
+            assert await served_then_read(2) == []
+            (said,) = await served_then_read(1)
+            assert "answered [] 3 times in a row" in said and "PR #13405" in said
+            assert "turn return_perf_metrics off" in said
+            assert await served_then_read(2) == []  # once
+        finally:
+            await adapter.close()
+
+
 # --- token-id legs ---------------------------------------------------------------------------------
 
 

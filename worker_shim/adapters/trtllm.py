@@ -25,7 +25,10 @@
   Without `return_perf_metrics` trtllm-serve answers `/metrics` only once 2 s pass with no new
   iteration (`get_stats_async(2)`), so under steady load it holds the answer while the load lasts:
   one read is in flight at a time, and a `load()` it keeps waiting reports the last load, stale
-  (busy, not down), and a `limits()` with limits held takes them.
+  (busy, not down), and a `limits()` with limits held takes them. `return_perf_metrics` answers at
+  once only from PR #13405 on: before it, a trtllm-serve with the Prometheus collector loop drains
+  the stats in that loop too, and most reads answer []. EMPTY_SAY_READS reads of [] in a row, each
+  begun after a leg ended, are said once, naming it (a stale load alone says nothing).
 - Requests: the client's own OpenAI request (openai_http.pass_through_body), or a token-id leg
   (refused with a `cache_salt`: its CompletionRequest has none; `detokenize: false`, without which
   trtllm-serve returns text and no token ids).
@@ -93,6 +96,21 @@ EVENTS_HELD_SAY_S = 10.0  # a poll held this long is said once: the index lags t
 METRICS_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
 LOAD_WAIT_S = 2.5
 LIMITS_WAIT_S = 30.0
+# /metrics reads answered [] in a row, each begun after a leg of this shim ended (iterations ran
+# since the read before), that are said once: the engine's stats go to another reader.
+EMPTY_SAY_READS = 3
+# The hint: a trtllm-serve with the Prometheus collector loop but before PR #13405 drains the stats
+# queue in that loop and in /metrics alike when return_perf_metrics is on (nvbug 6102381).
+_WITHOUT_13405 = (
+    "where it runs the Prometheus collector loop, that loop drains the stats queue /metrics reads, and most reads "
+    "come back empty"
+)
+_RACING_COLLECTOR = (
+    "A trtllm-serve without NVIDIA/TensorRT-LLM PR #13405 (merged 2026-04-24) that runs with return_perf_metrics "
+    "and enable_iter_perf_stats has its Prometheus collector loop drain the same stats queue as /metrics, so most "
+    "reads come back empty (each after about 2 s): turn return_perf_metrics off on such a release, or upgrade; "
+    "any other reader of /metrics takes the stats likewise"
+)
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +336,11 @@ class TrtllmAdapter(HttpEngineAdapter):
         self._metrics: asyncio.Task[bytes] | None = None  # the /metrics read in flight
         self._held_said = False
         self._held_limits_said = False
+        self._legs_ended = 0  # legs the engine answered: it ran iterations for them
+        self._ended_at_answer = 0  # _legs_ended when the last /metrics read answered
+        self._ended_at_start = 0  # _legs_ended when the read in flight began
+        self._empty_reads = 0  # reads answered [] since the last with stats, each after a leg ended
+        self._empty_said = False
         # The engine's limits as last read: its /metrics hands each stat out once, so an idle engine
         # answers [] to the next session. Dropped when it may have restarted (health(), run_events).
         self._limits: EngineLimits | None = None
@@ -341,6 +364,7 @@ class TrtllmAdapter(HttpEngineAdapter):
         task = self._metrics
         if task is None:
             task = self._metrics = asyncio.create_task(self.fetch("/metrics", timeout=METRICS_TIMEOUT))
+            self._ended_at_start = self._legs_ended
         await asyncio.wait([task], timeout=wait_s)
         if not task.done():
             return None
@@ -383,9 +407,11 @@ class TrtllmAdapter(HttpEngineAdapter):
                 self._held_limits_said = True
                 log.warning(
                     "%s/metrics held its answer for %.1fs while the engine works (trtllm-serve without "
-                    "return_perf_metrics): the session takes the limits read before; set return_perf_metrics: true",
+                    "return_perf_metrics): the session takes the limits read before; set return_perf_metrics: true "
+                    "on a trtllm-serve with NVIDIA/TensorRT-LLM PR #13405 (not on an older one: %s)",
                     self.base,
                     LOAD_WAIT_S,
+                    _WITHOUT_13405,
                 )
             return held
         if body is None:
@@ -393,10 +419,11 @@ class TrtllmAdapter(HttpEngineAdapter):
                 503,
                 "engine_unavailable",
                 f"{self.base}/metrics held its answer for {LIMITS_WAIT_S:.0f}s: a trtllm-serve without "
-                "return_perf_metrics answers only after 2 s with no iteration (set return_perf_metrics: true)",
+                "return_perf_metrics answers only after 2 s with no iteration (set return_perf_metrics: true on a "
+                f"trtllm-serve with NVIDIA/TensorRT-LLM PR #13405, not on an older one: {_WITHOUT_13405})",
             )
         check_engine_kind(self.kind, self.base, body)
-        stats = self._decode("/metrics", body)
+        stats = self._stats(body)
         self._load = load_from_stats(stats, self._load)  # drained: no load read sees them again
         if stats != []:
             self._limits = limits_from_stats(stats)
@@ -416,18 +443,43 @@ class TrtllmAdapter(HttpEngineAdapter):
         marked iterating: the stall watchdog's evidence that the engine works."""
         body = await self._read_metrics(LOAD_WAIT_S)
         if body is not None:
-            self._load = load_from_stats(self._decode("/metrics", body), self._load)
+            self._load = load_from_stats(self._stats(body), self._load)
             return self._load
         if not self._held_said:
             self._held_said = True
             log.warning(
                 "%s/metrics has held its answer for %.1fs while the engine works (trtllm-serve without "
                 "return_perf_metrics answers only after 2 s with no iteration): the last load read is "
-                "reported, stale, until it answers; set return_perf_metrics: true for a current load",
+                "reported, stale, until it answers; set return_perf_metrics: true for a current load on a trtllm-serve "
+                "with NVIDIA/TensorRT-LLM PR #13405 (not on an older one: %s)",
                 self.base,
                 LOAD_WAIT_S,
+                _WITHOUT_13405,
             )
         return replace(self._load, stale=True, iterating=True)
+
+    def _stats(self, body: bytes) -> Any:
+        """A /metrics answer's stats. [] after legs ended since the read before is an engine whose
+        iterations ran and whose stats went elsewhere: EMPTY_SAY_READS such in a row are said once
+        (each reading is otherwise only stale, no failure: nothing else would tell)."""
+        stats = self._decode("/metrics", body)
+        ran = self._ended_at_start > self._ended_at_answer
+        self._ended_at_answer = self._legs_ended
+        if stats != []:
+            self._empty_reads = 0
+        elif ran:
+            self._empty_reads += 1
+            if self._empty_reads >= EMPTY_SAY_READS and not self._empty_said:
+                self._empty_said = True
+                log.warning(
+                    "%s/metrics answered [] %d times in a row, each read begun after this shim's requests ran on the "
+                    "engine: its iteration stats went to another reader, so the load reported is the last one read, "
+                    "stale (said once). %s",
+                    self.base,
+                    self._empty_reads,
+                    _RACING_COLLECTOR,
+                )
+        return stats
 
     async def run_events(self, sink: EventSink, live: asyncio.Event) -> None:
         """EngineCold for a 500 before the first answer (a trtllm-serve that has served nothing)."""
@@ -527,6 +579,7 @@ class TrtllmAdapter(HttpEngineAdapter):
             if failure is exc:
                 raise
             raise failure from exc
+        self._legs_ended += 1
         transfer = None
         if leg.prefill_only:
             if result.finish_reason not in _CONTEXT_PENDING:
