@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
 __all__ = ["ShimHttpServer"]
 
@@ -65,4 +65,6 @@ class ShimHttpServer:
         return web.json_response(body, status=200 if serving else 503)
 
     async def _on_metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(body=self._metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        # generate_latest writes the 0.0.4 text format (the router's /metrics names it too);
+        # CONTENT_TYPE_LATEST names 1.0.0 with the pinned prometheus_client 0.26.
+        return web.Response(body=self._metrics(), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})

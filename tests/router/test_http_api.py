@@ -967,6 +967,7 @@ async def test_metrics_report_requests_decisions_and_index(agg: Cluster, http: a
     await until(lambda: len(router.index) >= 6, what="indexed")
     async with http.get(router.url + "/metrics") as r:
         text = await r.text()
+        assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"  # the format it is
     assert 'kvswitch_router_requests_total{code="200",endpoint="completions"} 2.0' in text
     assert 'kvswitch_router_decisions_total{outcome="aggregated"} 2.0' in text
     assert 'kvswitch_router_prompt_tokens_total{reach="prompt"} 103.0' in text  # 100 + 3 prompt tokens

@@ -17,6 +17,7 @@ from protocol.config import EtcdSettings
 from runtime.nats_flush import flush
 from tests.worker_shim.cluster import connect, shim_for, sim_config, wait_for
 from tests.worker_shim.test_request_service import Collector, gen
+from worker_shim.http_server import ShimHttpServer
 
 
 async def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -28,6 +29,19 @@ async def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], floa
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+async def test_metrics_name_the_text_format_they_are_written_in() -> None:
+    """generate_latest writes the 0.0.4 text format (as the router's /metrics names it); the shim
+    named prometheus_client's CONTENT_TYPE_LATEST, version 1.0.0 with the pinned 0.26."""
+    server = ShimHttpServer("127.0.0.1", 0, lambda: (True, {}), lambda: b"kvswitch_shim_up 1.0\n")
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as s, s.get(server.url + "/metrics") as r:
+            assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+            assert await r.read() == b"kvswitch_shim_up 1.0\n"
+    finally:
+        await server.stop()
 
 
 async def health(url: str) -> tuple[int, dict[str, object]]:
