@@ -380,7 +380,8 @@ class Dispatcher:
             fleet_log=fleet_log,
         )
         self._handle_mismatch_logged = False
-        self._failure_logs: list[LegFailures] = []
+        self._generation_failures: list[LegFailures] = []  # ended by a generated token
+        self._utility_failures: list[LegFailures] = []  # ended by a utility call's answer
         self._retried = self.leg_failures(log)  # retries before the first token, per worker and kind
 
     async def start(self) -> None:
@@ -391,7 +392,7 @@ class Dispatcher:
 
     async def stop(self) -> None:
         sub, self._sub = self._sub, None
-        for failures in self._failure_logs:
+        for failures in self._generation_failures + self._utility_failures:
             failures.close()
         for leg in list(self._legs.values()):
             leg.push(
@@ -448,18 +449,15 @@ class Dispatcher:
     def inflight_legs(self) -> int:
         return len(self._legs)
 
-    def leg_failures(self, logger: logging.Logger) -> LegFailures:
-        """Episodes of legs failing before their first output said on `logger`, ended as a worker
-        serves again or leaves, and as this dispatcher stops."""
+    def leg_failures(self, logger: logging.Logger, *, utility: bool = False) -> LegFailures:
+        """Episodes of generation legs (with `utility`, utility calls) failing before their first
+        output said on `logger`, ended as a leg of the same type on the worker gives output (a
+        token; a utility call's answer), as the worker leaves, and as this dispatcher stops. An
+        answered /tokenize says nothing of generation on its worker, nor a token of its /tokenize:
+        until 2026-12-07 either ended both, a WARNING and an INFO per request of a client mixing them."""
         failures = LegFailures(logger)
-        self._failure_logs.append(failures)
+        (self._utility_failures if utility else self._generation_failures).append(failures)
         return failures
-
-    def _served(self, worker: str) -> None:
-        """A leg on `worker` gave output (a token, or a utility call's answer): its episodes of
-        failing legs end."""
-        for failures in self._failure_logs:
-            failures.served(worker)
 
     def worker_gone(self, worker: str) -> None:
         """The worker's etcd key is gone. Its legs in flight go on: a shim that lost its lease
@@ -469,7 +467,7 @@ class Dispatcher:
         stall past its TTL, an etcd pause, a revoke)."""
         self.malformed_replies.pop(worker, None)
         self.refusals_overruled.pop(worker, None)
-        for failures in self._failure_logs:
+        for failures in self._generation_failures + self._utility_failures:
             failures.forget(worker)
 
     async def _on_reply(self, msg: Msg) -> None:
@@ -703,7 +701,8 @@ class Dispatcher:
                         why = f"the answer passed {MAX_ANSWER_BYTES} bytes"
                         raise LegError(worker, 502, "answer_too_large", why, retryable=False, role=role)
                     if chunk.final:
-                        self._served(worker)
+                        for failures in self._utility_failures:
+                            failures.served(worker)
                         return b"".join(parts)
         except LegError as exc:
             self._blame(exc)
@@ -965,7 +964,8 @@ class Dispatcher:
                             generated = leg.tokens_seen = True
                     if generated and job.first_token_at is None:
                         job.first_token_at = time.monotonic()
-                        self._served(plan.decode.worker)
+                        for failures in self._generation_failures:
+                            failures.served(plan.decode.worker)
                         self._prefill_done(job)
                     elif chunk.prefilled:
                         self._prefill_done(job)  # a whole answer's prefill, done before any output

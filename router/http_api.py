@@ -377,8 +377,9 @@ class _Handlers:
         self.drain = drain
         self._route_shown = route_shown
         self._failures = path.dispatcher.leg_failures(log)  # requests failed before their first output
+        self._utility_failures = path.dispatcher.leg_failures(log, utility=True)  # and utility calls
 
-    def _failed_before_output(self, rid: str, exc: LegError) -> ApiError:
+    def _failed_before_output(self, rid: str, exc: LegError, *, utility: bool = False) -> ApiError:
         """The client's error for request `rid` (a completion's, or a /tokenize or /detokenize call's)
         whose leg failed before its first output, said once as a stream that fails after it is: at
         WARNING, at INFO for a request its engine refused (the client's fault, its answer the engine's
@@ -386,7 +387,8 @@ class _Handlers:
         kvswitch_router_engine_refusals_total, not a fault worth a WARNING per request). Until
         2026-12-07 neither was said anywhere, a 504 at the deadline included (a utility call's, only its
         retries). Not a slow reader, which the dispatcher said. A WARNING is said once per episode of
-        its worker and kind (router.leg_failures): a dead engine fails every request sent to it."""
+        its worker and kind (router.leg_failures): a dead engine fails every request sent to it.
+        A `utility` call's are apart: its answer ends theirs, a generated token ends the others."""
         failed = leg_error(exc)
         msg = "request %s: failed before its first output (%s); the client got a %d"
         if exc.slow_reader:
@@ -394,7 +396,8 @@ class _Handlers:
         if exc.refused or exc.busy:
             log.info(msg, rid, _leg_failure(exc), failed.code, extra={"request_id": rid})
         else:
-            self._failures.failed(exc.worker, exc.kind, rid, msg, rid, _leg_failure(exc), failed.code)
+            failures = self._utility_failures if utility else self._failures
+            failures.failed(exc.worker, exc.kind, rid, msg, rid, _leg_failure(exc), failed.code)
         return failed
 
     async def debug_index(self, request: web.Request) -> web.Response:
@@ -472,7 +475,7 @@ class _Handlers:
             except PlanError as exc:
                 raise plan_error(exc) from exc
             except LegError as exc:
-                raise self._failed_before_output(rid, exc) from exc
+                raise self._failed_before_output(rid, exc, utility=True) from exc
             status = 200
             return web.Response(body=raw, content_type="application/json")
         except ApiError as exc:

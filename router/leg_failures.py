@@ -9,7 +9,8 @@ rest are counted (each said at DEBUG) and their count said at most every EVERY_S
 them, its request and cause: a kind's cause may change while its legs keep failing (connection
 refused, then an engine's 503), and until 2026-12-07 the change was at DEBUG alone, a client's
 error tied to no cause at WARNING; one line a period still, whatever the causes. The episode's end
-is said at INFO with its count: when a leg on the worker gives output, when the worker leaves, when
+is said at INFO with its count: when a leg on the worker gives output (one of the type whose failures
+a `LegFailures` counts: Dispatcher.leg_failures), when the worker leaves, when
 the router stops, or once EVERY_S have passed since its last such failure (a late timer, a stalled
 loop's, ended an episode whose count a failure had just said: review of 2026-12-07).
 """
@@ -77,7 +78,8 @@ class LegFailures:
             self._count(worker, kind, ep, now)
 
     def served(self, worker: str) -> None:
-        """A leg on `worker` gave output (a token, or a utility call's answer): its episodes end."""
+        """A leg on `worker` of the type whose failures these are gave output (a token, or a
+        utility call's answer: Dispatcher.leg_failures keeps the two apart): its episodes end."""
         if self._episodes:
             self._end(worker, "serves again")
 

@@ -91,7 +91,7 @@ class RequestPath:
     _handed_on: LegFailures = field(init=False, repr=False)  # utility calls a worker failed, tried on another
 
     def __post_init__(self) -> None:
-        self._handed_on = self.dispatcher.leg_failures(log)
+        self._handed_on = self.dispatcher.leg_failures(log, utility=True)
 
     def resolve_model(self, model: str | None) -> str:
         """The model, one of its other names, or a LoRA adapter, a request names. One that names

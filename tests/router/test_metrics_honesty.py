@@ -169,6 +169,99 @@ async def test_a_worker_whose_utility_calls_fail_is_said_once_per_episode_until_
     assert ends and ends[0].startswith(f"worker {dead.id} serves again: 4 of its legs failed with engine_error "), ends
 
 
+async def _mixed_rounds(http: aiohttp.ClientSession, router: RouterService, n: int) -> None:
+    """A client that counts its prompt's tokens before each completion, `n` times: the completions
+    share a prefix, so they go to the worker that served it first."""
+    for i in range(n):
+        async with http.post(router.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}) as resp:
+            assert resp.status == 200, await resp.text()
+        body = {"model": MODEL, "prompt": [*_MIXED_PROMPT, i], "max_tokens": 2}
+        async with http.post(router.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+
+
+_MIXED_PROMPT = list(range(1000, 1400))
+
+
+async def test_a_worker_whose_generation_fails_while_its_utility_calls_answer_is_said_once_per_episode(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Until 2026-12-07 an answered /tokenize ended the worker's episode of failing generation legs:
+    a WARNING ("retrying on") and an INFO ("serves again") per round of a client mixing the two."""
+    workers = [await cluster.add_worker("agg") for _ in range(2)]
+    router = await cluster.add_ready_router(disagg="never")
+    await _mixed_rounds(http, router, 1)
+    dead = max(workers, key=lambda w: w.requests_served)  # the prefix's worker
+    failed: list[str] = []
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        failed.append(dead.id)
+        raise EngineError(500, "engine_error", "Internal server error (engine core died)")
+
+    dead.shim.adapter.generate = failing  # type: ignore[method-assign]
+    caplog.set_level(logging.DEBUG, logger="router")
+    caplog.clear()
+    await _mixed_rounds(http, router, 8)
+    assert len(failed) >= 2, "the completions kept going to the failing worker"
+    retried = [r for r in caplog.records if r.name == "router.dispatch" and "retrying on" in r.getMessage()]
+    assert [r.levelno for r in retried] == [logging.WARNING] + [logging.DEBUG] * (len(failed) - 1), retried
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("router")]
+    assert not [line for level, line in said if level == "INFO" and "serves again" in line], said
+
+
+async def test_a_worker_whose_utility_calls_fail_while_it_generates_is_said_once_per_episode(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Until 2026-12-07 a generated token ended the worker's episode of utility calls handed on
+    from it (an engine with no /tokenize route, a tokenizer that crashed): a WARNING ("trying W") and
+    an INFO ("serves again") per round of a client mixing the two."""
+    workers = [await cluster.add_worker("agg") for _ in range(2)]
+    router = await cluster.add_ready_router(disagg="never")
+    await _mixed_rounds(http, router, 1)
+    dead = max(workers, key=lambda w: w.requests_served)  # the prefix's worker: it generates on
+    before = dead.requests_served
+
+    async def failing(endpoint: str, body: dict[str, Any]) -> bytes:
+        raise EngineError(500, "engine_error", "Internal server error (the tokenizer crashed)")
+
+    dead.shim.adapter.call = failing  # type: ignore[method-assign]
+    caplog.set_level(logging.DEBUG, logger="router")
+    caplog.clear()
+    await _mixed_rounds(http, router, 8)
+    assert dead.requests_served - before >= 2, "the completions left the worker"
+    handed_on = [r for r in caplog.records if r.name == "router.request_path"]
+    assert [r.levelno for r in handed_on] == [logging.WARNING] + [logging.DEBUG] * 3, handed_on
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("router")]
+    assert not [line for level, line in said if level == "INFO" and "serves again" in line], said
+
+
+async def test_a_lone_worker_whose_utility_calls_fail_while_it_generates_is_said_once_per_episode(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No worker to hand a call on to: each call's last try fails, said by the API once per
+    episode, which the worker's tokens do not end (until 2026-12-07 they did: a WARNING and an
+    INFO per round)."""
+    alone = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+
+    async def failing(endpoint: str, body: dict[str, Any]) -> bytes:
+        raise EngineError(500, "engine_error", "Internal server error (the tokenizer crashed)")
+
+    alone.shim.adapter.call = failing  # type: ignore[method-assign]
+    caplog.set_level(logging.DEBUG, logger="router")
+    caplog.clear()
+    for i in range(4):
+        async with http.post(router.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}) as resp:
+            assert resp.status >= 500, await resp.text()
+        body = {"model": MODEL, "prompt": [*_MIXED_PROMPT, i], "max_tokens": 2}
+        async with http.post(router.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+    failed = [r for r in caplog.records if r.name == "router.http_api" and "before its first output" in r.getMessage()]
+    assert [r.levelno for r in failed] == [logging.WARNING] + [logging.DEBUG] * 3, failed
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("router")]
+    assert not [line for level, line in said if level == "INFO" and "serves again" in line], said
+
+
 async def test_a_retry_before_the_first_token_is_counted(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     doomed = await cluster.add_worker("agg", crash_after=1)  # serves one request, then its engine dies
     alive = await cluster.add_worker("agg")

@@ -33,7 +33,7 @@ class Planner:
 class Dispatcher:
     """Answers from every worker but those in `fails`, which raise the LegError given; those in
     `slow` only once the call's deadline has passed. As router.dispatch's, an answer ends its
-    worker's episodes in the leg failures it handed out."""
+    worker's episodes in the utility calls' leg failures it handed out."""
 
     def __init__(
         self, fails: dict[str, LegError] | None = None, *, up: bool = True, slow: frozenset[str] = frozenset()
@@ -47,9 +47,10 @@ class Dispatcher:
     async def connected(self) -> bool:
         return self.up
 
-    def leg_failures(self, logger: logging.Logger) -> LegFailures:
+    def leg_failures(self, logger: logging.Logger, *, utility: bool = False) -> LegFailures:
         failures = LegFailures(logger)
-        self.failure_logs.append(failures)
+        if utility:  # its calls are utility calls: the others' episodes end on a token
+            self.failure_logs.append(failures)
         return failures
 
     async def call(self, worker: str, role: str, req: GenerateRequest, deadline: float) -> bytes:
