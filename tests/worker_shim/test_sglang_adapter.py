@@ -581,6 +581,72 @@ async def test_a_streamed_leg_aborted_after_tokens_ends_with_abort_and_its_token
     assert (outcome.usage.prompt_tokens, outcome.usage.completion_tokens) == (3, 2)
 
 
+# SGLang 0.5.23's FINISH_ABORT.to_json (managers/schedule_batch.py): set_finish_with_abort's for a
+# prompt past max_req_input_len (managers/utils.py validate_input_length, 400 by default), a P/D
+# decode server's failed KV transfer (disaggregation/decode.py, 500) and a request retracted
+# without a KV backup (schedule_batch.py retract_decode, 503). Streamed, tokenizer_manager's
+# _handle_abort_finish_reason yields it as an ordinary event, then [DONE].
+INPUT_TOO_LONG = (
+    "Input length (9000 tokens) exceeds the maximum allowed length (8191 tokens). "
+    "Use a shorter input or enable --allow-auto-truncate."
+)
+
+
+def _abort_event(ids: list[int], message: str, status: int | None, err_type: str | None) -> bytes:
+    finish = {"type": "abort", "message": message, "status_code": status, "err_type": err_type}
+    meta = {"id": "r", "finish_reason": finish, "prompt_tokens": 3, "completion_tokens": len(ids)}
+    return b"data: " + json.dumps({"text": "", "output_ids": ids, "meta_info": meta}).encode() + b"\n\n"
+
+
+async def test_a_streamed_refusal_is_the_400_its_unstreamed_answer_is(
+    streams: tuple[str, list[list[bytes]], list[dict[str, Any]]],
+) -> None:
+    """Until 2026-12-07 the abort finish was folded as a plain `abort`: the client got an empty
+    completion for SGLang's 400."""
+    url, answers, _ = streams
+    answers.append([_abort_event([], INPUT_TOO_LONG, 400, "BadRequestError"), b"data: [DONE]\n\n"])
+    err, seen = await _failing_generate(url, stream=True)
+    assert (err.code, err.kind, err.message) == (400, "engine_rejected", INPUT_TOO_LONG)
+    assert msgspec.json.decode(err.body) == {"error": {"message": INPUT_TOO_LONG}}  # SGLang's unstreamed body
+    assert seen == []
+
+
+@pytest.mark.parametrize(
+    ("before", "message", "status"),
+    [
+        ([], "KV transfer failed for request rank=0 req.rid='r' bootstrap_room=7", 500),
+        ([11, 12], "Retracted under decode memory pressure without a KV backup. Retry later.", 503),
+    ],
+    ids=["transfer-500-before-tokens", "retracted-503-after-tokens"],
+)
+async def test_a_streamed_abort_with_an_engine_status_is_the_engines_error(
+    streams: tuple[str, list[list[bytes]], list[dict[str, Any]]], before: list[int], message: str, status: int
+) -> None:
+    """An engine's failure, before or after tokens (those sent first): until 2026-12-07 a plain
+    `abort`, so the router never saw a failed KV transfer or an engine's 5xx as a fault."""
+    url, answers, _ = streams
+    events = [_event(before, None)] if before else []
+    answers.append([*events, _abort_event(before, message, status, "InternalServerError"), b"data: [DONE]\n\n"])
+    err, seen = await _failing_generate(url, stream=True)
+    assert (err.code, err.kind, err.message, err.body) == (status, "engine_error", message, b"")
+    assert seen == ([before] if before else [])
+
+
+async def test_an_abort_with_no_status_still_ends_with_abort(
+    streams: tuple[str, list[list[bytes]], list[dict[str, Any]]],
+) -> None:
+    """A client's abort (/abort_request, FINISH_ABORT() with status_code None) is no failure."""
+    url, answers, _ = streams
+    answers.append([_event([11, 12], None), _abort_event([11, 12], "Aborted", None, None), b"data: [DONE]\n\n"])
+    adapter = SglangAdapter(ShimConfig(engine="sglang", model="m", engine_url=url, kv_events="tcp://127.0.0.1:9"))
+    await adapter.open()
+    try:
+        outcome = await adapter.generate(LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=8)), _ignore)
+    finally:
+        await adapter.close()
+    assert (outcome.finish_reason, outcome.token_ids) == ("abort", [11, 12])
+
+
 def _event(ids: list[int], finish: str | None) -> bytes:
     meta = {"completion_tokens": len(ids), "prompt_tokens": 3, "finish_reason": finish and {"type": finish}}
     return b"data: " + json.dumps({"output_ids": ids, "meta_info": meta}).encode() + b"\n\n"

@@ -52,7 +52,9 @@
   the last (completion_tokens - sent) ids, which holds whether the engine streams incrementally or
   cumulatively. A request it refuses (a ValueError: validation, such as a prompt longer than the
   context) is a 400 `{"error": {"message"}}`, or with streaming that object as the only event
-  before `[DONE]`. A stream is whole only at its `[DONE]`: an EOF before it is a 502
+  before `[DONE]`; one its scheduler refuses or fails (a prompt past its input limit, a failed P/D
+  KV transfer) ends with an abort finish that carries the status (_failed_abort). A stream is
+  whole only at its `[DONE]`: an EOF before it is a 502
   `engine_protocol`. Abort: closing the stream and `POST /abort_request {"rid"}`.
 """
 
@@ -407,6 +409,8 @@ class StreamFolder:
             ids = []
         elif not isinstance(ids, list):  # len() or slicing raised TypeError: the shim's 500 `internal`
             raise EngineError(502, "engine_protocol", f"a /generate event's output_ids is {ids!r}, not a list")
+        if (failed := _failed_abort(meta.get("finish_reason"))) is not None:
+            raise failed
         if self._uncounted_abort(meta, ids):
             self.finish_reason = "abort"  # the count and usage folded so far stand
             return []
@@ -459,6 +463,29 @@ class StreamFolder:
                 f"the engine's /generate meta_info.completion_tokens went back from {self.sent} to {done}",
             )
         return done
+
+
+def _failed_abort(finish: object) -> EngineError | None:
+    """The error a streamed event's abort finish carries, None for any other finish: the scheduler
+    ends a request it refuses or fails (a prompt past max_req_input_len, a failed P/D KV transfer,
+    memory exhausted mid-decode) with `{"type": "abort", "message", "status_code", "err_type"}`;
+    unstreamed, SGLang answers that status (tokenizer_manager._handle_abort_finish_reason), streamed
+    it sends the finish as an ordinary event, then [DONE]. The error is the one its unstreamed
+    answer gives (400: `{"error": {"message"}}`, the client's refusal as it is), before tokens or
+    after them. An abort without a status is a client's (or /abort_request's): a plain `abort`.
+    Until 2026-12-07 each was a plain `abort`: a streamed client got an empty completion for
+    SGLang's 400, and the router never saw a failed KV transfer or an engine's 5xx."""
+    if not isinstance(finish, dict) or finish.get("type") != "abort":
+        return None
+    status = finish.get("status_code")
+    if type(status) is not int or not 400 <= status < 600:  # SGLang's own test
+        return None
+    message = str(finish.get("message") or "Aborted")
+    if status == 400:
+        body: dict[str, Any] = {"error": {"message": message}}  # http_server._create_error_response
+    else:  # a fastapi.HTTPException, answered as an ErrorResponse
+        body = {"object": "error", "message": message, "type": str(status), "param": None, "code": status}
+    return error_from(status, msgspec.json.encode(body))
 
 
 def _meta_count(meta: dict[str, Any], name: str) -> int | None:
