@@ -57,7 +57,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
         lists each rank's on GET /kv_event_sources: the shim reads them there at startup.
     kv_events_mode: auto: vLLM's own rule read backwards: an endpoint with `*` means the engine
         binds, so the shim connects (to the engine_url host); otherwise the engine connects and the
-        shim binds that address. bind/connect force one side.
+        shim binds that address. bind/connect force one side. SGLang's `bind` in kv_events_config
+        sets it (the other side).
     kv_events_topic: the ZMQ topic; frames with any other topic are ignored ("" accepts all).
     kv_replay: the engine's replay endpoint (vLLM's `replay_endpoint`), None disables replay.
     kv_events_config: the engine's own `--kv-events-config` JSON (vLLM or SGLang), verbatim; it sets
@@ -179,8 +180,19 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError(
                     flag, given, f"conflicts with --kv-events-config {key} {value!r}: drop one or make them agree"
                 )
+        mode = self.kv_events_mode
+        if ev.binds is not None:  # SGLang's explicit `bind`: the shim takes the other side
+            side: KvEventsMode = "connect" if ev.binds else "bind"
+            if mode in ("bind", "connect") and mode != side:
+                raise ConfigError(
+                    "kv_events_mode",
+                    mode,
+                    f"conflicts with --kv-events-config bind {str(ev.binds).lower()} (the engine's PUB "
+                    f"{'binds' if ev.binds else 'connects'}, so the shim must {side}): drop one or make them agree",
+                )
+            mode = side if mode == "auto" else mode
         return msgspec.structs.replace(
-            self, kv_events=ev.endpoint, kv_replay=ev.replay_endpoint, kv_events_topic=ev.topic
+            self, kv_events=ev.endpoint, kv_replay=ev.replay_endpoint, kv_events_topic=ev.topic, kv_events_mode=mode
         )
 
     def _validate(self) -> ShimConfig:

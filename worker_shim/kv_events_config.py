@@ -8,6 +8,11 @@ same JSON shape; the operator hands the shim the string the engine was given. Ke
                             SGLang: unset means null (nothing published)
     endpoint                "tcp://*:5557": the PUB socket (binds with `*`, `::`, ipc://, inproc://,
                             and for SGLang `0.0.0.0`; connects otherwise, and the shim then binds)
+    bind                    SGLang only (0.5.23), None: true binds the PUB, false connects it, None
+                            reads the endpoint as above; the shim takes the other side
+    format                  SGLang only (0.5.23), "default": "dynamo" namespaces every block hash
+                            by the request's extra_key and cache_salt (the same events, other
+                            hash values: opaque keys to the shim, so both are read)
     replay_endpoint         None: the ROUTER socket for replay
     snapshot_endpoint       SGLang only, None: the ROUTER socket for placement snapshots, which the
                             shim does not use; when set, SGLang adds its publisher's epoch to the
@@ -43,8 +48,10 @@ _COMMON = ("publisher", "endpoint", "replay_endpoint", "topic", "buffer_steps", 
 # The keys each engine takes (vLLM's KVEventsConfig; SGLang's ZmqEventPublisherConfig and publisher).
 KEYS: dict[str, tuple[str, ...]] = {
     "vllm": ("enable_kv_cache_events", *_COMMON),
-    "sglang": (*_COMMON, "snapshot_endpoint"),
+    "sglang": (*_COMMON, "bind", "format", "snapshot_endpoint"),
 }
+# SGLang's KVEventsConfig.format values; each sends the same events, with other hash values.
+_FORMATS = ("default", "dynamo")
 _SETTING = "kv_events_config"
 
 
@@ -53,6 +60,8 @@ class EngineEventsConfig:
     endpoint: str
     replay_endpoint: str | None
     topic: str
+    # SGLang's `bind`: whether its PUB binds (True) or connects (False); None: its endpoint says.
+    binds: bool | None = None
 
 
 def _load(raw: str | dict[str, Any]) -> dict[str, Any]:
@@ -96,10 +105,13 @@ def parse_kv_events_config(engine: str, raw: str | dict[str, Any]) -> EngineEven
     for key in ("buffer_steps", "hwm", "max_queue_size"):
         _typed(data, key, int, None)
     _typed(data, "snapshot_endpoint", str, None)
+    if (form := _typed(data, "format", str, "default")) not in _FORMATS:
+        raise ConfigError(_SETTING, data, f"format {form!r}: SGLang takes {' or '.join(map(repr, _FORMATS))}")
     return EngineEventsConfig(
         endpoint=_typed(data, "endpoint", str, "tcp://*:5557"),
         replay_endpoint=_typed(data, "replay_endpoint", str, None),
         topic=_typed(data, "topic", str, ""),
+        binds=_typed(data, "bind", bool, None),
     )
 
 

@@ -32,6 +32,7 @@ from worker_shim.adapters.sglang import (
     openai_body,
 )
 from worker_shim.adapters.vllm_events import decode_payload
+from worker_shim.adapters.zmq_events import resolve_endpoint
 from worker_shim.config import ShimConfig, ShimRole
 from worker_shim.engine_events import EngineEvent, EngineRemoved, EngineStored
 from worker_shim.kv_events_config import EngineEventsConfig, parse_kv_events_config
@@ -237,6 +238,54 @@ def test_sglangs_own_kv_events_config_with_a_snapshot_endpoint_is_taken() -> Non
         parse_kv_events_config("sglang", {**raw, "snapshot_endpoint": 5600})
     with pytest.raises(ConfigError, match=r"unknown key.*snapshot_endpoint.*vllm takes"):
         parse_kv_events_config("vllm", {"enable_kv_cache_events": True, "snapshot_endpoint": "tcp://*:5600"})
+
+
+def _sglang_binds(endpoint: str, bind: bool | None) -> bool:
+    """SGLang 0.5.23's ZmqEventPublisher._socket_setup, copied: whether its PUB binds."""
+    if bind is not None:
+        return bind
+    wildcard = "*" in endpoint or "::" in endpoint or "0.0.0.0" in endpoint
+    return wildcard or endpoint.startswith(("ipc://", "inproc://"))
+
+
+@pytest.mark.parametrize("bind", [True, False, None], ids=["bind-true", "bind-false", "bind-unset"])
+@pytest.mark.parametrize(
+    "endpoint", ["tcp://127.0.0.1:5557", "tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::1]:5557", "ipc:///tmp/kv"]
+)
+def test_sglangs_bind_key_is_taken_and_the_shim_takes_the_other_side(endpoint: str, bind: bool | None) -> None:
+    """SGLang 0.5.23's KVEventsConfig.bind ("use true to bind a concrete address such as loopback"):
+    until 2026-12-07 an unknown key, the shim's exit 2, though the docs ask for the JSON as the
+    engine got it."""
+    raw: dict[str, Any] = {"publisher": "zmq", "endpoint": endpoint}
+    if bind is not None:
+        raw["bind"] = bind
+    cfg = ShimConfig(engine="sglang", model="m", kv_events_config=raw).validate()
+    assert cfg.kv_events == endpoint
+    _, shim_binds = resolve_endpoint(endpoint, cfg.kv_events_mode, "10.0.0.7", "sglang")
+    assert shim_binds is not _sglang_binds(endpoint, bind)
+
+
+def test_an_explicit_kv_events_mode_that_contradicts_sglangs_bind_is_refused() -> None:
+    raw = {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "bind": True}
+    assert ShimConfig(engine="sglang", model="m", kv_events_config=raw, kv_events_mode="connect").validate()
+    with pytest.raises(ConfigError) as caught:
+        ShimConfig(engine="sglang", model="m", kv_events_config=raw, kv_events_mode="bind").validate()
+    assert caught.value.setting == "kv_events_mode" and "bind true" in caught.value.allowed
+    with pytest.raises(ConfigError, match="bind must be a bool, got 'true'"):
+        parse_kv_events_config("sglang", {**raw, "bind": "true"})
+    with pytest.raises(ConfigError, match=r"unknown key.*bind.*vllm takes"):
+        parse_kv_events_config("vllm", {"enable_kv_cache_events": True, "bind": True})
+
+
+def test_sglangs_format_key_is_taken_for_each_value_sglang_has() -> None:
+    """ "dynamo" (SGLang 0.5.23) sends the same events with every hash namespaced by the request's
+    extra_key and cache_salt (mem_cache/events.py record_store): other opaque keys, whose chain
+    normalises to the same canonical hashes. Until 2026-12-07 the key was refused as unknown."""
+    raw = {"publisher": "zmq", "endpoint": "tcp://*:5557"}
+    for form in ("default", "dynamo"):
+        assert parse_kv_events_config("sglang", {**raw, "format": form}) == EngineEventsConfig("tcp://*:5557", None, "")
+    with pytest.raises(ConfigError, match="format 'vllm': SGLang takes 'default' or 'dynamo'"):
+        parse_kv_events_config("sglang", {**raw, "format": "vllm"})
 
 
 def test_the_clients_cache_salt_reaches_sglang_on_both_kinds_of_leg() -> None:
