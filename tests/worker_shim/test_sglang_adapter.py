@@ -315,6 +315,37 @@ def test_limits_and_load() -> None:
     assert got.reused_tokens is None, "SGLang exports no reuse counter: the shim's credit check stays off"
 
 
+# SGLang 0.5.23's /server_info `kv_events` (runtime_context.describe_kv_events_publisher): null for
+# an endpoint it cannot advertise (ipc://, inproc://), block_size page_size * dcp_size otherwise.
+KV_EVENTS_ADVERTISED = {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 5557, "topic": "kv-events"}
+
+
+@pytest.mark.parametrize(
+    "advertised", [{**KV_EVENTS_ADVERTISED, "block_size": 32}, None, "absent"], ids=["advertised", "null", "absent"]
+)
+def test_decode_context_parallelism_registers_the_width_sglangs_events_come_at(advertised: Any) -> None:
+    """--dcp-size 2 with page_size 16: SGLang pages its radix tree, and sends its events, 32 tokens
+    wide (arg_groups/overrides.py kv_event_block_size_of). Until 2026-12-07 the shim registered 16,
+    and the normaliser dropped every event as malformed. The pool holds max_total_num_tokens per
+    DCP rank's share (the scheduler widens it by dcp_size): the same blocks of 32 as of 16."""
+    info = {**json.loads((FIX / "get_server_info.json").read_text()), "page_size": 16, "dcp_size": 2}
+    if advertised != "absent":
+        info["kv_events"] = advertised
+    lim = limits_from_server_info(info)
+    assert (lim.block_size, lim.kv_total_blocks) == (32, 401408 * 2 // 32)
+    assert lim.block_size is not None
+    norm = Normaliser(lim.block_size)
+    tokens = list(range(100, 132))
+    norm.apply([EngineStored(hashes=[-7], parent=None, token_ids=tokens, block_size=32)])
+    assert norm.stats.malformed == 0 and norm.canonical_hashes() == set(block_hashes(tokens, 32))
+
+
+def test_an_advertised_event_block_size_that_is_no_positive_integer_is_the_engines_protocol_error() -> None:
+    info = {**json.loads((FIX / "get_server_info.json").read_text()), "kv_events": {"block_size": "32"}}
+    with pytest.raises(EngineError, match=r"/server_info kv_events.block_size is '32', not a positive integer"):
+        limits_from_server_info(info)
+
+
 @pytest.mark.parametrize("field", ["page_size", "max_total_num_tokens"])
 @pytest.mark.parametrize("value", ["16", -16, 0, 16.5, 16.0, True, None], ids=repr)
 def test_a_limit_that_is_no_positive_integer_is_the_engines_protocol_error_naming_it(field: str, value: Any) -> None:

@@ -11,10 +11,10 @@
   one event: the older radix caches sent one per page, and the event recorder
   (mem_cache/events.py, KVCacheEventRecorder.enqueue) merges them already in array-form releases;
   the decoder takes both. The salt salts the chain as the router salts such a prompt. Page size 1
-  (SGLang's default) makes every token a block: register with the engine's page size, and expect
-  a router to match per token. Its PUB binds `*`, `::` and `0.0.0.0` endpoints (vLLM's connects
-  to `0.0.0.0`); with a `snapshot_endpoint` the live topic carries the publisher's epoch (both:
-  zmq_events.py).
+  (SGLang's default) makes every token a block: register with the events' block size (the page
+  size, times --dcp-size), and expect a router to match per token. Its PUB binds `*`, `::` and
+  `0.0.0.0` endpoints (vLLM's connects to `0.0.0.0`); with a `snapshot_endpoint` the live topic
+  carries the publisher's epoch (both: zmq_events.py).
 - Server info: `GET /server_info`, else `/get_server_info` (its deprecated alias, all an older
   SGLang serves): server args plus scheduler info. Checked at every session's start
   (ConfigError, the shim exits): `dp_size` 1 unless the engine caches nothing (each
@@ -27,8 +27,9 @@
   Rust HTTP frontend (SGLANG_RUST_SERVER=1) serves a fixed subset without the server args: its
   mode is read from `/model_info` (else `/get_model_info`), and an engine that reports it nowhere
   is refused.
-- Limits from the server info: `page_size`, `max_total_num_tokens` (capacity in tokens, rank 0's:
-  times `dp_size` for the server's), `chunked_prefill_size` (the per-step prefill budget). Load
+- Limits from the server info: the event block size (`kv_events.block_size`, else `page_size`
+  times `dcp_size`), `max_total_num_tokens` (capacity in tokens, rank 0's and one DCP rank's:
+  times `dp_size` and `dcp_size` for the server's), `chunked_prefill_size` (the per-step prefill budget). Load
   from /metrics: `sglang:num_running_reqs`, `sglang:num_queue_reqs` (each summed over the ranks),
   and KV use as `sglang:num_used_tokens` over `max_total_num_tokens`. SGLang rounds its own
   `sglang:token_usage` to two decimals: 1% of an H200's pool is thousands of tokens, so one long
@@ -162,12 +163,28 @@ def limits_from_server_info(info: dict[str, Any], path: str = SERVER_INFO_PATHS[
     # max_total_num_tokens is rank 0's pool; each data-parallel rank has one of its own, and the load
     # (running, waiting, the mean KV use) is the whole server's, so the capacity is too.
     ranks = engine_limit(info.get("dp_size"), f"{path} dp_size") or 1
+    # Under decode context parallelism each of dcp_size ranks holds a share of every token: the pool
+    # holds max_total_num_tokens * dcp_size tokens (the scheduler's kv_shard_widening).
+    dcp = engine_limit(info.get("dcp_size"), f"{path} dcp_size") or 1
+    block = _event_block_size(info, path, page, dcp)
     return EngineLimits(
-        block_size=page,
-        kv_total_blocks=tokens // page * ranks if tokens is not None and page is not None else None,
+        block_size=block,
+        kv_total_blocks=tokens * dcp // block * ranks if tokens is not None and block is not None else None,
         max_num_batched_tokens=budget if budget is not None and budget > 0 else None,
         prefix_caching=prefix_caching(info),
     )
+
+
+def _event_block_size(info: dict[str, Any], path: str, page: int | None, dcp: int) -> int | None:
+    """The width SGLang's KV events come at: `kv_events.block_size` (its advertised publisher, absent
+    or null for one it cannot advertise: ipc://, inproc://), else `page_size * dcp_size`, the same
+    (arg_groups/overrides.py kv_event_block_size_of: under decode context parallelism the radix
+    tree pages at that width). Until 2026-12-07 the page size: with --dcp-size 2 every event's
+    block_size disagreed with it, and the normaliser dropped each as malformed."""
+    events = info.get("kv_events")
+    if isinstance(events, dict) and events.get("block_size") is not None:
+        return engine_limit(events["block_size"], f"{path} kv_events.block_size")
+    return page * dcp if page is not None else None
 
 
 def prefix_caching(info: dict[str, Any]) -> bool | None:
