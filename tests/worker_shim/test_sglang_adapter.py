@@ -315,6 +315,38 @@ def test_limits_and_load() -> None:
     assert got.reused_tokens is None, "SGLang exports no reuse counter: the shim's credit check stays off"
 
 
+def _all_schedulers(ranks: list[tuple[int, int | None]], running: list[int], used: list[int]) -> str:
+    """/metrics of SGLang 0.5.23 with --enable-metrics-for-all-schedulers: each scheduler's gauges
+    under its own tp_rank (and dp_rank with DP attention; observability/metrics_collector.py)."""
+    lines = []
+    for (tp, dp), run, kv in zip(ranks, running, used, strict=True):
+        labels = f'engine_type="unified",model_name="m",moe_ep_rank="{tp}",pp_rank="0",tp_rank="{tp}"'
+        if dp is not None:
+            labels += f',dp_rank="{dp}"'
+        lines += [
+            f"sglang:num_running_reqs{{{labels}}} {run}.0",
+            f"sglang:num_queue_reqs{{{labels}}} 1.0",
+            f"sglang:token_usage{{{labels}}} 0.25",
+            f"sglang:num_used_tokens{{{labels}}} {kv}.0",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def test_every_tp_ranks_series_is_one_reading() -> None:
+    """TP 4: every rank exports the same reading; until 2026-12-07 summed, the load read 4 times
+    what it was, and the exact KV use fell back to the rounded gauge."""
+    text = _all_schedulers([(0, None), (1, None), (2, None), (3, None)], [5, 5, 5, 5], [1000] * 4)
+    load = load_from_metrics(text, 250, 4000)
+    assert (load.running, load.waiting, load.kv_usage) == (5, 1, 1000 / 4000)
+
+
+def test_under_dp_attention_each_dp_ranks_first_tp_rank_counts() -> None:
+    """TP 4, DP 2 with DP attention: dp_rank 1's exporter is tp_rank 2, not 0."""
+    text = _all_schedulers([(0, 0), (1, 0), (2, 1), (3, 1)], [5, 5, 7, 7], [1000, 1000, 3000, 3000])
+    load = load_from_metrics(text, 500, 4000)
+    assert (load.running, load.waiting, load.kv_usage) == (12, 2, 0.25)  # the mean gauge: two DP ranks
+
+
 # SGLang 0.5.23's /server_info `kv_events` (runtime_context.describe_kv_events_publisher): null for
 # an endpoint it cannot advertise (ipc://, inproc://), block_size page_size * dcp_size otherwise.
 KV_EVENTS_ADVERTISED = {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 5557, "topic": "kv-events"}
@@ -407,7 +439,7 @@ def test_kv_use_is_exact_so_a_long_decode_shows_progress() -> None:
     # Without the server's capacity, or with one sample per DP rank, SGLang's own rounded ratio.
     assert load_from_metrics(text, lim.kv_total_blocks).kv_usage == 0.25
     used = next(line for line in text.splitlines() if line.startswith("sglang:num_used_tokens"))
-    ranks = text + used.replace('tp_rank="0"', 'tp_rank="1"') + "\n"
+    ranks = text + used.replace('tp_rank="0"', 'tp_rank="0",dp_rank="1"') + "\n"  # a DP rank's: its dp_rank
     assert load_from_metrics(ranks, lim.kv_total_blocks, total).kv_usage == 0.25
 
 

@@ -29,9 +29,10 @@
   is refused.
 - Limits from the server info: the event block size (`kv_events.block_size`, else `page_size`
   times `dcp_size`), `max_total_num_tokens` (capacity in tokens, rank 0's and one DCP rank's:
-  times `dp_size` and `dcp_size` for the server's), `chunked_prefill_size` (the per-step prefill budget). Load
-  from /metrics: `sglang:num_running_reqs`, `sglang:num_queue_reqs` (each summed over the ranks),
-  and KV use as `sglang:num_used_tokens` over `max_total_num_tokens`. SGLang rounds its own
+  times `dp_size` and `dcp_size` for the server's), `chunked_prefill_size` (the per-step prefill
+  budget). Load from /metrics: `sglang:num_running_reqs`, `sglang:num_queue_reqs` (each summed
+  over the DP ranks, one TP rank's series each: _first_tp_rank), and KV use as
+  `sglang:num_used_tokens` over `max_total_num_tokens`. SGLang rounds its own
   `sglang:token_usage` to two decimals: 1% of an H200's pool is thousands of tokens, so one long
   decode could leave it still for minutes (the stall watchdog would take the engine for hung) and
   free blocks were off by that much. The rounded gauge (its mean over the ranks) stands in only
@@ -90,7 +91,7 @@ from worker_shim.adapters.openai_http import ENDPOINT_PATHS, error_from, pass_th
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig, ShimRole
 from worker_shim.engine_kind import check_engine_kind
-from worker_shim.prom_text import as_count, mean_samples, parse_samples, repeated_series, sum_samples
+from worker_shim.prom_text import Sample, as_count, mean_samples, parse_samples, repeated_series, sum_samples
 
 __all__ = [
     "MODEL_INFO_PATHS",
@@ -302,6 +303,7 @@ def load_from_metrics(text: str, kv_total_blocks: int | None, kv_total_tokens: i
     samples = list(parse_samples(text, _METRICS))
     if (twice := repeated_series(samples)) is not None:
         raise EngineError(502, "engine_protocol", twice)
+    samples = _first_tp_rank(samples)
     running, waiting = sum_samples(samples, "sglang:num_running_reqs"), sum_samples(samples, "sglang:num_queue_reqs")
     if running is None and waiting is None:
         absent = ", ".join(n for n in _LOAD if sum_samples(samples, n) is None)
@@ -323,6 +325,29 @@ def load_from_metrics(text: str, kv_total_blocks: int | None, kv_total_tokens: i
         kv_usage=kv_usage,
         kv_total_blocks=kv_total_blocks,
     )
+
+
+def _first_tp_rank(samples: list[Sample]) -> list[Sample]:
+    """Each series of the lowest `tp_rank` among those of its name and `dp_rank`. By default one
+    scheduler per data-parallel rank exports (its attention-TP rank 0); with
+    --enable-metrics-for-all-schedulers every TP rank does (scheduler.py), each the same reading
+    under its own `tp_rank`, and summed they counted the load TP-size times (until 2026-12-07). Per
+    `dp_rank`: under DP attention each rank's exporter has a `tp_rank` of its own, not 0."""
+    lowest: dict[tuple[str, str | None], int] = {}
+    for name, labels, _ in samples:
+        if (rank := _tp_rank(labels)) is not None:
+            key = (name, labels.get("dp_rank"))
+            lowest[key] = min(rank, lowest.get(key, rank))
+    return [
+        sample
+        for sample in samples
+        if (rank := _tp_rank(sample[1])) is None or rank == lowest[(sample[0], sample[1].get("dp_rank"))]
+    ]
+
+
+def _tp_rank(labels: dict[str, str]) -> int | None:
+    rank = labels.get("tp_rank")
+    return int(rank) if rank is not None and rank.isdigit() else None
 
 
 def generate_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str, Any]:
