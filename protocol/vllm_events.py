@@ -35,7 +35,8 @@ blocks inside its window when they fill, so its BlockStored lists those blocks' 
 `token_ids` still covers the whole range from the parent on (`len(token_ids)` is not
 `block_size * len(block_hashes)` there).
 
-SGLang with `--enable-kv-events-component-types` names each event's KV cache component,
+SGLang with `--enable-kv-events-component-types` (its GitHub main branch, sglang PR #32514; not
+in 0.5.23, which has no such flag) names each event's KV cache component,
 `component_type` ("full", "swa", "mamba"; mem_cache/events.py KVCacheEventRecorder, which sends
 BlockStoredWithComponentType and BlockRemovedWithComponentType): a field of an event map, and in
 the positional form, where a field added to BlockStored keyword-only (as BlockStoredWithMetadata
@@ -469,7 +470,7 @@ def decode_replay_frames(frames: Sequence[bytes]) -> tuple[int, bytes]:
 
 def decode_replay_reply(frames: Sequence[bytes]) -> tuple[bytes | None, int, bytes]:
     """A replay reply to (topic, seq, payload); topic None when the engine sends no topic frame
-    (older vLLM, SGLang). The replay socket reveals the topic a subscriber filtering by another
+    (older vLLM; SGLang 0.5.23 sends one). The replay socket reveals the topic a subscriber filtering by another
     one never sees."""
     parts = list(frames)
     if parts and parts[0] == b"":

@@ -14,8 +14,9 @@ same JSON shape; the operator hands the shim the string the engine was given. Ke
                             by the request's extra_key and cache_salt (the same events, other
                             hash values: opaque keys to the shim, so both are read)
     replay_endpoint         None: the ROUTER socket for replay
-    snapshot_endpoint       SGLang only, None: the ROUTER socket for placement snapshots, which the
-                            shim does not use; when set, SGLang adds its publisher's epoch to the
+    snapshot_endpoint       SGLang's main branch (sglang PR #34407), not 0.5.23 (which ignores it),
+                            None: the ROUTER socket for placement snapshots, which the shim does
+                            not use; when set, such an SGLang adds its publisher's epoch to the
                             live topic (worker_shim/adapters/zmq_events.py reads it)
     topic                   "": the topic frame of every PUB message
     buffer_steps, hwm, max_queue_size: the engine's buffers; nothing the shim needs

@@ -16,7 +16,7 @@ from aiohttp import web
 from protocol import ConfigError, SamplingParams, Stored, Usage, block_hashes
 from protocol.hashing import chain_salt
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
-from protocol.vllm_events import decode_pub_frames
+from protocol.vllm_events import decode_pub_frames, decode_replay_reply
 from tests.protocol.vllm_captures import frames
 from tests.worker_shim.cluster import served, wait_for
 from tests.worker_shim.fake_sglang import TOO_LONG as TOO_LONG_FOR_CONTEXT
@@ -288,6 +288,14 @@ def test_sglangs_format_key_is_taken_for_each_value_sglang_has() -> None:
         parse_kv_events_config("sglang", {**raw, "format": "vllm"})
 
 
+def test_sglangs_replay_reply_shows_its_topic() -> None:
+    """SGLang 0.5.23's ZmqEventPublisher._service_replay sends (identity, b"", topic, seq, payload),
+    which the shim's DEALER receives without the identity: its topic names a wrong --kv-events-topic,
+    as vLLM's does (docs said until 2026-12-07 that SGLang's carried none)."""
+    frames = [b"", b"kv-events", (7).to_bytes(8, "big"), b"payload"]
+    assert decode_replay_reply(frames) == (b"kv-events", 7, b"payload")
+
+
 def test_the_clients_cache_salt_reaches_sglang_on_both_kinds_of_leg() -> None:
     """The request service counts a leg's prompt as salted by its body's cache_salt; the engine must
     cache it so too, or its Stored events never match what the shim expects."""
@@ -555,8 +563,8 @@ def test_token_ids_that_are_not_all_int_pairs_stay_malformed(tokens: list[Any]) 
 def test_sglang_refuses_a_clients_extra_key_or_lora_path(endpoint: str, prefill_only: bool, name: str) -> None:
     """SGLang caches an extra_key's prompts apart from all others' and its KV events do not name
     it: the shim indexed them as plain prompts, and routers credited plain requests with them. A
-    lora_path is one too (SGLang appends the adapter to the request's extra_key; its events send
-    lora_id None)."""
+    lora_path is one too (SGLang appends the adapter to the request's extra_key): 0.5.23's events
+    name the adapter (lora_name), but routers salt by the adapter `model` names, not lora_path."""
     params = {"prompt": [5, 6, 7]} if endpoint == ENDPOINT_COMPLETIONS else {"messages": []}
     leg = LegRequest("r", "m", [5, 6, 7], SamplingParams(), endpoint=endpoint, prefill_only=prefill_only, params=params)
     assert name not in openai_body(leg, None)
@@ -566,6 +574,8 @@ def test_sglang_refuses_a_clients_extra_key_or_lora_path(endpoint: str, prefill_
     err = caught.value
     assert err.code == 400 and err.kind == "bad_request"
     assert err.message.startswith(f"{name}: SGLang keeps a separate prefix cache per {name}")
+    why = "its KV events do not name it" if name == "extra_key" else "routers salt a prompt by the adapter its `model`"
+    assert why in err.message
 
 
 TOO_LONG = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."

@@ -13,8 +13,8 @@
   the decoder takes both. The salt salts the chain as the router salts such a prompt. Page size 1
   (SGLang's default) makes every token a block: register with the events' block size (the page
   size, times --dcp-size), and expect a router to match per token. Its PUB binds `*`, `::` and
-  `0.0.0.0` endpoints (vLLM's connects to `0.0.0.0`); with a `snapshot_endpoint` the live topic
-  carries the publisher's epoch (both: zmq_events.py).
+  `0.0.0.0` endpoints (vLLM's connects to `0.0.0.0`); with a `snapshot_endpoint` (SGLang's main
+  branch, not 0.5.23) the live topic carries the publisher's epoch (both: zmq_events.py).
 - Server info: `GET /server_info`, else `/get_server_info` (its deprecated alias, all an older
   SGLang serves): server args plus scheduler info. Checked at every session's start
   (ConfigError, the shim exits): `dp_size` 1 unless the engine caches nothing (each
@@ -387,6 +387,13 @@ def _text_prompt(leg: LegRequest) -> bool:
     return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
 
 
+# A client's field SGLang caches a prompt apart by, which routers cannot see: why (openai_body).
+_APART = {
+    "extra_key": "its KV events do not name it",
+    "lora_path": "routers salt a prompt by the adapter its `model` names, not by lora_path",
+}
+
+
 def openai_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str, Any]:
     """A pass-through leg's body: `rid` for abort, the bootstrap triple for P/D. EngineError (400)
     for a text prompt with `truncate_prompt_tokens`: SGLang's OpenAI protocol has no such field and
@@ -394,19 +401,22 @@ def openai_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str, 
     for `extra_key`: SGLang caches such a prompt apart from every other extra_key's, and its KV
     events do not name it (mem_cache/utils.py: "omit extra_key"), so the shim would index it as a
     plain prompt's and routers credit plain requests with a prefix SGLang never reuses for them.
-    And for `lora_path`, for the same reason: SGLang keys an adapter's cache by it as by an
-    extra_key, and its events name no adapter (`lora_id` None)."""
+    And for `lora_path`: SGLang keys an adapter's cache by it as by an extra_key. SGLang 0.5.23
+    names the adapter on such a request's BlockStored (`lora_name`) and namespaces its hashes
+    (mem_cache/events.py), so the shim salts that chain by the adapter as vLLM's, but routers salt
+    a prompt by the adapter its `model` names, never by `lora_path`: they would match the
+    request against the base model's prefixes."""
     if leg.params.get("truncate_prompt_tokens") is not None and _text_prompt(leg):
         raise EngineError(
             400, "bad_request", "truncate_prompt_tokens: SGLang cannot truncate a text prompt or chat messages"
         )
-    for name in ("extra_key", "lora_path"):
+    for name, why in _APART.items():
         if leg.params.get(name) is not None:
             raise EngineError(
                 400,
                 "bad_request",
-                f"{name}: SGLang keeps a separate prefix cache per {name} and its KV events do not name it, "
-                "so routers would credit the wrong prefixes",
+                f"{name}: SGLang keeps a separate prefix cache per {name} and {why}, so routers would credit the "
+                "wrong prefixes",
             )
     body = pass_through_body(leg)
     body["rid"] = leg.request_id

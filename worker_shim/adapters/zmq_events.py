@@ -2,21 +2,21 @@
 protocol/vllm_events.py).
 
 Sockets: a SUB on the event endpoint, subscribed to the topic and checking it exactly (ZMQ filters
-by prefix), except for the suffix SGLang adds with a `snapshot_endpoint`: `\x00sgl-kv-epoch=` and
-its publisher's epoch (a token per publisher run), and on a snapshot barrier (no events)
-`\x00sgl-kv-snapshot=` and the barrier's id; a DEALER to the replay endpoint. Which side binds:
-`auto` reads the engine's own rule backwards: an endpoint with `*` or `::` (or ipc://, inproc://;
-for SGLang `0.0.0.0` too) means the engine's PUB binds, so the shim connects (to the engine host,
-for `*`, `0.0.0.0` and `::`); otherwise the engine's PUB connects, so the shim binds that address.
-The engine's replay ROUTER always binds: the shim connects, to the engine host for `*`, `0.0.0.0`
-and `::`. A socket whose address is an IPv6 one sets zmq.IPV6 (ZMQ refuses it otherwise, "No
-such device", and a connect never delivers); one given a name does not: ZMQ then resolves the
-name to its IPv6 address first, where an engine's IPv4-only PUB (vLLM's and SGLang's set no
-zmq.IPV6) never answers. A bind this host cannot make (another process listens there, no
-interface has the address, a name that keeps failing) is a ConfigError naming the setting; one a
-later session may make (a name not resolving yet, a tentative IPv6 address) is tried again
-(zmq_bind). A `*` or `0.0.0.0` endpoint reached at an IPv6 engine host is a ConfigError: the
-engine's sockets bind them on IPv4 only.
+by prefix), except for the suffix SGLang's main branch (not 0.5.23) adds with a
+`snapshot_endpoint`: `\x00sgl-kv-epoch=` and its publisher's epoch (a token per publisher run), and
+on a snapshot barrier (no events) `\x00sgl-kv-snapshot=` and the barrier's id; a DEALER to the
+replay endpoint. Which side binds: `auto` reads the engine's own rule backwards: an endpoint with
+`*` or `::` (or ipc://, inproc://; for SGLang `0.0.0.0` too) means the engine's PUB binds, so the
+shim connects (to the engine host, for `*`, `0.0.0.0` and `::`); otherwise the engine's PUB
+connects, so the shim binds that address. The engine's replay ROUTER always binds: the shim
+connects, to the engine host for `*`, `0.0.0.0` and `::`. A socket whose address is an IPv6 one
+sets zmq.IPV6 (ZMQ refuses it otherwise, "No such device", and a connect never delivers); one given
+a name does not: ZMQ then resolves the name to its IPv6 address first, where an engine's IPv4-only
+PUB (vLLM's and SGLang's set no zmq.IPV6) never answers. A bind this host cannot make (another
+process listens there, no interface has the address, a name that keeps failing) is a ConfigError
+naming the setting; one a later session may make (a name not resolving yet, a tentative IPv6
+address) is tried again (zmq_bind). A `*` or `0.0.0.0` endpoint reached at an IPv6 engine host is a
+ConfigError: the engine's sockets bind them on IPv4 only.
 
 Sequence handling (seq is the engine's, per engine run, from 0):
 - at start, and whenever the whole state is wanted again (`request_rebuild`), replay from 0: a replay
