@@ -272,6 +272,30 @@ async def test_a_data_parallel_engine_with_a_radix_cache_is_refused(role: ShimRo
     assert "--disable-radix-cache" in str(caught.value)
 
 
+def _attn_dp(ranks: int, **args: object) -> dict[str, Any]:
+    """SGLang 0.5.23's server info with DP attention (--attn-dp-size N, or the deprecated --dp-size N
+    --enable-dp-attention, which parallel_hook resolves so): dp_size 1, attn_dp_size N, and
+    enable_dp_attention reported true (ServerArgs.resolved_dict)."""
+    return {**INFO, "dp_size": 1, "attn_dp_size": ranks, "enable_dp_attention": True, **args}
+
+
+async def test_sglang_0_5_23s_attention_dp_with_a_radix_cache_is_refused() -> None:
+    """Each attention-DP rank keeps a cache of its own and publishes on the endpoint's port + rank
+    (kv_events.select_kv_publisher_dp_rank). Until 2026-12-07 only dp_size was read: served, one
+    shim heard rank 0 alone."""
+    with pytest.raises(ConfigError) as caught:
+        await _limits(_attn_dp(4, disable_radix_cache=False))
+    assert "reports dp_size 1 and attn_dp_size 4 (4 data-parallel ranks) on /server_info with a radix cache" in str(
+        caught.value
+    )
+
+
+async def test_sglang_0_5_23s_attention_dp_without_a_cache_registers_every_ranks_pool() -> None:
+    """Until 2026-12-07 rank 0's pool alone, while the load summed every rank's requests."""
+    limits = await _limits(_attn_dp(8, disaggregation_mode="decode", disable_radix_cache=True), "decode")
+    assert limits.kv_total_blocks == 401408 // 16 * 8
+
+
 async def test_a_data_parallel_engines_load_is_its_ranks_together() -> None:
     """Each rank whose attention TP rank is 0 reports on /metrics (one series per rank): the requests
     are summed, the KV use is their mean, and the capacity is every rank's pool."""

@@ -163,7 +163,7 @@ def limits_from_server_info(info: dict[str, Any], path: str = SERVER_INFO_PATHS[
         )
     # max_total_num_tokens is rank 0's pool; each data-parallel rank has one of its own, and the load
     # (running, waiting, the mean KV use) is the whole server's, so the capacity is too.
-    ranks = engine_limit(info.get("dp_size"), f"{path} dp_size") or 1
+    ranks = dp_ranks(info, path)
     # Under decode context parallelism each of dcp_size ranks holds a share of every token: the pool
     # holds max_total_num_tokens * dcp_size tokens (the scheduler's kv_shard_widening).
     dcp = engine_limit(info.get("dcp_size"), f"{path} dcp_size") or 1
@@ -186,6 +186,16 @@ def _event_block_size(info: dict[str, Any], path: str, page: int | None, dcp: in
     if isinstance(events, dict) and events.get("block_size") is not None:
         return engine_limit(events["block_size"], f"{path} kv_events.block_size")
     return page * dcp if page is not None else None
+
+
+def dp_ranks(info: dict[str, Any], path: str) -> int:
+    """How many data-parallel ranks the server runs, each with a KV cache of its own: `dp_size`
+    replicas times `attn_dp_size` attention-DP groups (runtime_context.num_dp_ranks_of). SGLang
+    0.5.23 resolves DP attention (`--attn-dp-size N`, or the deprecated `--dp-size N
+    --enable-dp-attention`) to dp_size 1 and attn_dp_size N; read as dp_size alone, such a server
+    counted as one rank until 2026-12-07."""
+    dp = engine_limit(info.get("dp_size"), f"{path} dp_size") or 1
+    return dp * (engine_limit(info.get("attn_dp_size"), f"{path} attn_dp_size") or 1)
 
 
 def prefix_caching(info: dict[str, Any]) -> bool | None:
@@ -229,20 +239,20 @@ def check_server_info(info: dict[str, Any], path: str, role: ShimRole, url: str,
       own alive probe too; and a plain engine ignores the bootstrap fields, so a P/D role on one
       paired nothing. Server info with server args but no `disaggregation_mode` is an SGLang
       before P/D: it serves --role agg only."""
-    dp = engine_limit(info.get("dp_size"), f"{path} dp_size")
+    dp = dp_ranks(info, path)
     caches = prefix_caching(info)
-    if dp is not None and dp > 1 and caches is not False:
+    if dp > 1 and caches is not False:
         cache = "with a radix cache" if caches else "and no disable_radix_cache (whether it caches)"
         raise ConfigError(
             "engine_url",
             url,
-            f"the SGLang engine there reports dp_size {dp} on {path} {cache}: its {dp} data-parallel "
+            f"the SGLang engine there reports {_ranks_said(info, dp)} on {path} {cache}: its {dp} data-parallel "
             "ranks each keep a cache of their own and publish KV events on a port of their own (the endpoint's + "
             "rank), and SGLang spreads requests over them, so one shim would index rank 0's cache as the whole "
-            "server's. Run SGLang with --dp-size 1 (the default): one server per replica, each with a shim of its "
-            "own, and the routers balance over them (a server started with --disable-radix-cache, or a P/D decode "
-            "server without --disaggregation-decode-enable-radix-cache, caches nothing and is served whole, routed "
-            "by load)",
+            "server's. Run SGLang with --dp-size 1 and no attention DP (the defaults): one server per replica, "
+            "each with a shim of its own, and the routers balance over them (a server started with "
+            "--disable-radix-cache, or a P/D decode server without --disaggregation-decode-enable-radix-cache, "
+            "caches nothing and is served whole, routed by load)",
         )
     mode = info.get("disaggregation_mode")
     mode_path = mode_path or path
@@ -267,6 +277,13 @@ def check_server_info(info: dict[str, Any], path: str, role: ShimRole, url: str,
             f"{_ROLE_OF_MODE[mode]}, or point --engine-url at an engine started {started}"
         )
     raise ConfigError("role", role, why)
+
+
+def _ranks_said(info: dict[str, Any], ranks: int) -> str:
+    attn = info.get("attn_dp_size")
+    if type(attn) is int and attn > 1:
+        return f"dp_size {info.get('dp_size', 1)} and attn_dp_size {attn} ({ranks} data-parallel ranks)"
+    return f"dp_size {ranks}"
 
 
 def bootstrap_port_from_server_info(info: dict[str, Any], path: str, role: ShimRole, url: str) -> int | None:
