@@ -1,6 +1,7 @@
 """How the front door reads a JSON route's body, against vLLM 0.32 (engine_sim answers as it
 does): a body that does not decode as its Content-Encoding says (until 2026-12-07 a 500 and two
-ERROR tracebacks)."""
+ERROR tracebacks); a body in an encoding other than UTF-8 that vLLM reads (until 2026-12-07 the
+router's own 400)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,35 @@ async def test_a_body_that_does_not_decode_as_its_content_encoding_is_a_400(
     assert not [rec.getMessage() for rec in said if rec.levelno >= logging.WARNING]  # the client's fault
     if path == "/v1/completions":
         assert counted(router, 400) == 1 and counted(router, 500) == 0
+
+
+_ENCODINGS = ["utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"]
+
+
+@pytest.mark.parametrize("encoding", _ENCODINGS)
+async def test_a_json_body_in_an_encoding_vllm_detects_is_read_as_vllm_reads_it(
+    cluster: Cluster, http: aiohttp.ClientSession, encoding: str
+) -> None:
+    """vLLM reads a body with json.loads of its bytes, which takes a UTF-8 BOM and UTF-16 or UTF-32
+    with or without one (the "-sig" and BOM-less codecs here); the router said "JSON is malformed:
+    invalid character (byte 0)". Served, and malformed, each answers as the engine does directly."""
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    sim = cluster.workers[0].sim.url
+    json_type = {"Content-Type": "application/json"}
+    plain = {"model": MODEL, "prompt": "hi there é", "max_tokens": 2}
+    async with http.post(sim + "/tokenize", data=json.dumps(plain).encode(), headers=json_type) as r:
+        expected = await r.json()
+    answers = []
+    for url in (router.url, sim):
+        async with http.post(url + "/tokenize", data=json.dumps(plain).encode(encoding), headers=json_type) as r:
+            assert (r.status, await r.json()) == (200, expected), url
+        malformed = json.dumps({"model": MODEL, "prompt": "hi"}).replace('"hi"', '"hi" oops')
+        async with http.post(url + "/v1/completions", data=malformed.encode(encoding), headers=json_type) as r:
+            answers.append((r.status, await r.json()))
+    assert answers[0] == answers[1] and answers[0][0] == 400, answers
+    offset = malformed.index("oops")  # in characters, as vLLM's, not in the body's bytes
+    assert answers[0][1]["error"]["param"] == f"body.{offset}", answers
+    async with http.post(router.url + "/v1/completions", data=json.dumps(plain).encode(encoding),
+                         headers=json_type) as r:  # fmt: skip
+        assert r.status == 200, await r.text()
