@@ -28,7 +28,7 @@ from aiohttp.web_urldispatcher import AbstractRoute, MatchInfoError, UrlMappingM
 from router.api_errors import ApiError
 from router.metrics import RouterMetrics
 
-__all__ = ["UNCOUNTED", "ExpectRoutes", "expectations", "send_continue"]
+__all__ = ["UNCOUNTED", "ExpectRoutes", "expectations", "expects_continue", "send_continue"]
 
 _ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
 
@@ -114,8 +114,13 @@ def expectations(metrics: RouterMetrics, endpoints: Mapping[str, str]) -> Callab
     return check
 
 
+def expects_continue(request: web.Request) -> bool:
+    """Whether the client waits for a 100 Continue before it sends the body."""
+    return request.version == HttpVersion11 and request.headers.get("Expect", "").lower() == "100-continue"
+
+
 async def send_continue(request: web.Request) -> None:
     """The 100 Continue `hold` held back, now that the body is wanted."""
-    if request.version == HttpVersion11 and request.headers.get("Expect", "").lower() == "100-continue":
+    if expects_continue(request):
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # no answer has started: what the parser's errors check

@@ -89,7 +89,7 @@ from router.api_errors import (
 from router.api_keys import ApiKeys
 from router.client_buffers import ROOM_RETRY_S, SLICE_BYTES, SPARE_BYTES, HeldAnswer
 from router.dispatch import Job
-from router.expectations import ExpectRoutes, expectations, send_continue
+from router.expectations import ExpectRoutes, expectations, expects_continue, send_continue
 from router.leg import LegError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.planner import PlanError
@@ -556,19 +556,29 @@ class _Handlers:
 
     async def _json_body(self, request: web.Request) -> Any:
         # vLLM's validate_json_request guards its JSON routes: any other media type (none included)
-        # is a 400, before the body is read. It is also what keeps a web page from having a browser
+        # is a 400, whatever the body holds. It is also what keeps a web page from having a browser
         # post a text/plain body here, which needs no CORS preflight.
         if request.headers.get("Content-Type", "").lower().split(";", 1)[0] != "application/json":
-            # Its body unread, the connection cannot serve another request.
-            raise unsupported_media_type(close=request.can_read_body)
+            raise await self._not_json_type(request)
         limit = self.limits.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"the request body is {request.content_length} bytes, over the limit of {limit}",
                            "body", close=True)  # fmt: skip
         await send_continue(request)
+        raw = await self._read(request)
+        if not raw:  # engine_sim's reading: no JSON object
+            raise ApiError(400, NOT_AN_OBJECT)
+        try:
+            return _decode_json(raw)
+        except RecursionError:
+            raise ApiError(400, "the body's JSON is nested too deeply", "body") from None
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The whole body, or the refusal of one over the limit, late or undecodable."""
+        limit = self.limits.max_body_bytes
         try:
             async with asyncio.timeout(self.limits.body_timeout_s):
-                raw = await request.read()
+                return await request.read()
         except TimeoutError:
             raise ApiError(
                 408, f"the request body did not arrive within {self.limits.body_timeout_s:g}s", "body", close=True
@@ -583,12 +593,22 @@ class _Handlers:
             request.content.feed_eof()
             why = getattr(exc.__cause__, "message", None) or str(exc)
             raise ApiError(400, f"the request body could not be decoded: {why}", "body", close=True) from None
-        if not raw:  # engine_sim's reading: no JSON object
-            raise ApiError(400, NOT_AN_OBJECT)
+
+    async def _not_json_type(self, request: web.Request) -> ApiError:
+        """vLLM's 400 for a body sent as another media type. The body is read and dropped, so the
+        connection serves the client's next request, as vLLM's does (until 2026-12-07 it closed:
+        a request pipelined behind was lost); it closes where the body is not read: one over the
+        limit, one the client sends only after a 100 Continue, or one that fails to arrive."""
+        if not request.can_read_body:
+            return unsupported_media_type(close=False)
+        length = request.content_length
+        if expects_continue(request) or (length is not None and length > self.limits.max_body_bytes):
+            return unsupported_media_type(close=True)
         try:
-            return _decode_json(raw)
-        except RecursionError:
-            raise ApiError(400, "the body's JSON is nested too deeply", "body") from None
+            await self._read(request)
+        except ApiError:
+            return unsupported_media_type(close=True)
+        return unsupported_media_type(close=False)
 
     def _parse(self, body: Any, *, chat: bool) -> ParsedRequest:
         """parse_request, refusing what vLLM alone refuses only where vLLM engines alone serve the

@@ -1,10 +1,12 @@
 """How the front door reads a JSON route's body, against vLLM 0.32 (engine_sim answers as it
 does): a body that does not decode as its Content-Encoding says (until 2026-12-07 a 500 and two
 ERROR tracebacks); a body in an encoding other than UTF-8 that vLLM reads (until 2026-12-07 the
-router's own 400)."""
+router's own 400); a body sent as another media type, refused on a connection that stays open
+for a request pipelined behind it (until 2026-12-07 the connection closed and that one was lost)."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import logging
@@ -12,6 +14,7 @@ import logging
 import aiohttp
 import pytest
 
+from router.http_api import HttpLimits
 from tests.router.conftest import MODEL, Cluster
 from tests.router.test_slow_readers import counted
 
@@ -70,3 +73,63 @@ async def test_a_json_body_in_an_encoding_vllm_detects_is_read_as_vllm_reads_it(
     async with http.post(router.url + "/v1/completions", data=json.dumps(plain).encode(encoding),
                          headers=json_type) as r:  # fmt: skip
         assert r.status == 200, await r.text()
+
+
+async def _pipelined(url: str, requests: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """The heads and bodies of the answers to `requests`, sent at once on one connection, as
+    many as came before it closed (or 5 s passed)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    answers: list[tuple[bytes, bytes]] = []
+    try:
+        writer.write(b"".join(requests))
+        await writer.drain()
+        async with asyncio.timeout(5):
+            while len(answers) < len(requests):
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    break  # closed
+                length = next(
+                    int(h.split(b":")[1]) for h in head.lower().split(b"\r\n") if h.startswith(b"content-length:")
+                )
+                answers.append((head, await reader.readexactly(length)))
+    finally:
+        writer.close()
+    return answers
+
+
+def _post(body: bytes, content_type: str, **headers: str) -> bytes:
+    lines = {"Host": "x", "Content-Type": content_type, "Content-Length": str(len(body)), **headers}
+    return (
+        b"POST /v1/completions HTTP/1.1\r\n"
+        + "".join(f"{k}: {v}\r\n" for k, v in lines.items()).encode()
+        + b"\r\n"
+        + body
+    )
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+async def test_a_body_of_another_media_type_is_refused_and_the_connection_serves_the_next(
+    cluster: Cluster, content_type: str
+) -> None:
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    for url in (router.url, cluster.workers[0].sim.url):
+        answers = await _pipelined(url, [_post(_BODY, content_type), _post(_BODY, "application/json")])
+        assert [head.split(b" ", 2)[1] for head, _ in answers] == [b"400", b"200"], (url, answers)
+        assert b"Unsupported Media Type" in answers[0][1]
+        assert b"connection: close" not in answers[0][0].lower(), url
+
+
+async def test_a_body_of_another_media_type_left_unread_closes_the_connection(cluster: Cluster) -> None:
+    """Over the limit, or one the client sends only after a 100 Continue, the body is not read."""
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never", config={"http_limits": HttpLimits(max_body_bytes=1024)})
+    over = [_post(b"x" * 1025, "text/plain"), _post(b"{}", "application/json")]
+    # the client sends its 10 bytes only after a 100 Continue: nothing can follow on the connection
+    waiting = [_post(b"", "text/plain", Expect="100-continue").replace(b"Length: 0", b"Length: 10")]
+    for sent in (over, waiting):
+        answers = await _pipelined(router.url, sent)
+        assert len(answers) == 1 and answers[0][0].startswith(b"HTTP/1.1 400 "), answers
+        assert b"connection: close" in answers[0][0].lower()
