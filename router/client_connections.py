@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 FD_RESERVE = 256  # the least left beside the cap
 MIN_CAP = 64  # below it the limit is too low to serve: a WARNING says so
 SHED_LOOK = 4  # the most idle candidates one new connection looks at
-PROBES = frozenset({"/health", "/ready", "/metrics"})  # answered on a refused connection too
+PROBES = frozenset({"/health", "/ping", "/ready", "/metrics"})  # answered on a refused connection too
 # A refused connection's wait for its first request head: a client refused in a burst sends its request
 # at once (a round trip); one that sends nothing would hold one of `backlog` places to the idle timeout.
 REFUSED_HEAD_S = 2.0

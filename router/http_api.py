@@ -1,6 +1,6 @@
 """The OpenAI-compatible front door (aiohttp): /v1/completions, /v1/chat/completions (stream and
 not), /v1/models, vLLM's /tokenize and /detokenize (answered by a worker's engine), /version (the
-router's), /health, /ready, /metrics, /debug/route (the decision a request would get),
+router's), /health (and vLLM's /ping), /ready, /metrics, /debug/route (the decision a request would get),
 /debug/index (per worker: sync state, (epoch, seq) and the digest of what the index holds) and
 /debug/workers (every worker with whether it is routable and why not: /ready names only the first
 of those left out, as a probe's answer must stay small and cheap at any fleet size).
@@ -43,7 +43,7 @@ counts only what its client has not taken; one that would take the total over it
 clients read is a 503 with Retry-After, one larger than it a 400 saying what the client can change.
 
 Draining (`Drain`, on SIGTERM): the listener stays open while the requests in flight finish; a new
-request (anything but /health, /ready and /metrics) is a 503 with Retry-After and Connection:
+request (anything but /health, /ping, /ready and /metrics) is a 503 with Retry-After and Connection:
 close. Those still running when the drain ends are cut: a stream gets a final 503 error event and
 `[DONE]`, any other request a 503, and their legs are cancelled on the workers.
 """
@@ -951,7 +951,7 @@ _COUNTED = {
 
 # Probes and scrapers carry no key. The full fleet listing is /debug/workers, behind the operator
 # key, not a query on /ready: at 1,000 workers it is ~0.3 MB and ms of the event loop per answer.
-_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/ready", "/metrics"})
 
 
 def _auth_middleware(keys: ApiKeys | None, debug_keys: ApiKeys | None, metrics: RouterMetrics) -> Callable[..., Any]:
@@ -1050,6 +1050,9 @@ def make_app(
     app.on_response_prepare.append(_echo_request_id)
     ExpectRoutes.install(app)  # every route's Expect is router.expectations', never aiohttp's
     app.router.add_get("/health", h.health)
+    # vLLM's SageMaker liveness route, /health's answer to GET and POST (until 2026-12-07 a 404)
+    app.router.add_get("/ping", h.health)
+    app.router.add_post("/ping", h.health)
     app.router.add_get("/ready", h.ready)
     app.router.add_get("/metrics", h.metrics)
     app.router.add_get("/v1/models", h.models)

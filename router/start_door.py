@@ -10,7 +10,7 @@ anything else, naming --http-port or --http-host) and serves on them the server 
 for its whole life (its keep-alive `--idle-timeout-s`, its parse errors as OpenAI JSON), whose
 requests the door answers until the router's app is ready:
 
-- `/health` 200 with the router's own `health()`: the process is alive and trying;
+- `/health` (and `/ping`) 200 with the router's own `health()`: the process is alive and trying;
 - `/ready` 503 with the router's own `readiness()`, whose problems name what it waits for;
 - `/metrics` as always;
 - any other request an OpenAI 503 with `Retry-After: 1` naming the same, counted as
@@ -153,6 +153,8 @@ class StartDoor:
         # answer is the one a request gets, its 503 ahead of any 417 as the drain's is, no 100 before it.
         ExpectRoutes.install(app)
         app.router.add_get("/health", self._on_health)
+        app.router.add_get("/ping", self._on_health)
+        app.router.add_post("/ping", self._on_health)
         app.router.add_get("/ready", self._on_ready)
         app.router.add_get("/metrics", self._on_metrics)
         app.router.add_route("*", "/{path:.*}", self._on_request)

@@ -182,9 +182,11 @@ async def test_missing_or_wrong_key_is_401_openai_json_and_the_right_key_serves(
         assert r.status == 401
     async with http.post(router.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-right"}) as r:
         assert r.status == 200
-    for open_path in ("/health", "/ready", "/metrics"):
+    for open_path in ("/health", "/ping", "/ready", "/metrics"):
         async with http.get(router.url + open_path) as r:
             assert r.status == 200, open_path
+    async with http.post(router.url + "/ping") as r:  # vLLM's liveness route takes POST too
+        assert r.status == 200
 
 
 @pytest.mark.parametrize("api_keys", [True, False], ids=["with-api-keys", "loopback-without"])

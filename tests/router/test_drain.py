@@ -70,8 +70,9 @@ async def test_while_draining_new_requests_and_ready_are_503s_and_a_stream_in_fl
             assert r.headers["Retry-After"] == "1" and r.headers["Connection"].lower() == "close"
     async with http.get(url + "/v1/models", headers={"Expect": "200-ok"}) as r:
         assert r.status == 503  # the drain's answer, ahead of a 417 (before: aiohttp's text 417)
-    async with http.get(url + "/health") as r:
-        assert r.status == 200  # alive: liveness must not kill a draining router
+    for alive in ("/health", "/ping"):
+        async with http.get(url + alive) as r:
+            assert r.status == 200, alive  # alive: liveness must not kill a draining router
 
     events = await _events(resp)
     assert events[-1] == b"[DONE]" and b'"error"' not in b"".join(events)

@@ -655,6 +655,18 @@ async def test_unknown_model_route_and_method(agg: Cluster, http: aiohttp.Client
         assert "POST" in r.headers["Allow"]
 
 
+async def test_ping_is_vllms_name_for_health(agg: Cluster, http: aiohttp.ClientSession) -> None:
+    """vLLM's SageMaker liveness route, GET and POST, answers as /health (it was a 404)."""
+    url = agg.routers[0].url
+    health = await answer(http, "GET", url + "/health")
+    for method in ("GET", "POST"):
+        status, out, headers = await answer(http, method, url + "/ping")
+        assert (status, out) == health[:2] and status == 200, method
+        assert headers["content-type"].startswith("application/json")
+    async with http.post(agg.workers[0].sim.url + "/ping") as r:  # as the engine answers it
+        assert r.status == 200
+
+
 async def test_bodies_and_headers_over_the_limits_are_413_and_431(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:

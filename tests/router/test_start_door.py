@@ -147,6 +147,7 @@ async def test_a_router_waiting_for_etcd_says_so_on_ready(nats_url: str, ns: str
 
             await _until(names_etcd, 8)  # the etcd client gives up after 10 s
             assert (await _get(http, f"{router.url}/health")) == (200, {"status": "starting"})
+            assert (await _get(http, f"{router.url}/ping")) == (200, {"status": "starting"})  # vLLM's name
         finally:
             await _cancelled(start)
     with pytest.raises(aiohttp.ClientConnectionError):  # stopped while it started: the port is closed
