@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -1049,21 +1050,24 @@ def make_app(
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=middlewares)
     app.on_response_prepare.append(_echo_request_id)
     ExpectRoutes.install(app)  # every route's Expect is router.expectations', never aiohttp's
-    app.router.add_get("/health", h.health)
+    # A GET route answers HEAD as vLLM's (FastAPI's) do, a 405 saying `Allow: GET` (until 2026-12-07
+    # aiohttp's HEAD route answered it); /metrics answers it, as Prometheus's app does on vLLM.
+    get = functools.partial(app.router.add_get, allow_head=False)
+    get("/health", h.health)
     # vLLM's SageMaker liveness route, /health's answer to GET and POST (until 2026-12-07 a 404)
-    app.router.add_get("/ping", h.health)
+    get("/ping", h.health)
     app.router.add_post("/ping", h.health)
-    app.router.add_get("/ready", h.ready)
-    app.router.add_get("/metrics", h.metrics)
-    app.router.add_get("/v1/models", h.models)
+    get("/ready", h.ready)
+    app.router.add_get("/metrics", h.metrics, allow_head=True)
+    get("/v1/models", h.models)
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_post("/v1/chat/completions", h.chat)
     app.router.add_post("/tokenize", h.tokenize)
     app.router.add_post("/detokenize", h.detokenize)
-    app.router.add_get("/version", h.version)
+    get("/version", h.version)
     app.router.add_post("/debug/route", h.debug_route)
-    app.router.add_get("/debug/index", h.debug_index)
-    app.router.add_get("/debug/workers", h.debug_workers)
+    get("/debug/index", h.debug_index)
+    get("/debug/workers", h.debug_workers)
 
     async def close_pool(_app: web.Application) -> None:
         tokenization.close()

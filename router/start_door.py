@@ -152,11 +152,12 @@ class StartDoor:
         # An Expect is held and never answered (router.expectations, without its 417): the door's
         # answer is the one a request gets, its 503 ahead of any 417 as the drain's is, no 100 before it.
         ExpectRoutes.install(app)
-        app.router.add_get("/health", self._on_health)
-        app.router.add_get("/ping", self._on_health)
+        # /metrics alone answers HEAD, as on the router's app (http_api.make_app)
+        app.router.add_get("/health", self._on_health, allow_head=False)
+        app.router.add_get("/ping", self._on_health, allow_head=False)
         app.router.add_post("/ping", self._on_health)
-        app.router.add_get("/ready", self._on_ready)
-        app.router.add_get("/metrics", self._on_metrics)
+        app.router.add_get("/ready", self._on_ready, allow_head=False)
+        app.router.add_get("/metrics", self._on_metrics, allow_head=True)
         app.router.add_route("*", "/{path:.*}", self._on_request)
         # The router's server from the start: the door's connections are its own. The drain itself
         # is the router's (http_api.Drain); aiohttp's own waits twice its timeout per connection.

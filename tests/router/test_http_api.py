@@ -655,6 +655,23 @@ async def test_unknown_model_route_and_method(agg: Cluster, http: aiohttp.Client
         assert "POST" in r.headers["Allow"]
 
 
+async def test_head_is_answered_as_vllm_answers_it(agg: Cluster, http: aiohttp.ClientSession) -> None:
+    """vLLM's GET routes answer HEAD with a 405 saying `Allow: GET`, but /metrics (Prometheus's
+    app); the router answered HEAD with a 200 on all of them, its 405s saying `Allow: GET,HEAD`."""
+    router, sim = agg.routers[0].url, agg.workers[0].sim.url
+    for path in ("/health", "/ping", "/ready", "/version", "/v1/models"):
+        async with http.head(router + path) as r:
+            assert (r.status, r.headers["Allow"]) == (405, "GET,POST" if path == "/ping" else "GET"), path
+    for path in ("/health", "/ping", "/version", "/v1/models"):
+        async with http.head(sim + path) as r:
+            assert r.status == 405, path
+    for url in (router, sim):
+        async with http.post(url + "/v1/models") as r:
+            assert (r.status, r.headers["Allow"]) == (405, "GET"), url
+        async with http.head(url + "/metrics") as r:
+            assert r.status == 200, url
+
+
 async def test_ping_is_vllms_name_for_health(agg: Cluster, http: aiohttp.ClientSession) -> None:
     """vLLM's SageMaker liveness route, GET and POST, answers as /health (it was a 404)."""
     url = agg.routers[0].url
