@@ -25,6 +25,7 @@ __all__ = [
     "ENDPOINT_DETOKENIZE",
     "ENDPOINT_TOKENIZE",
     "ENGINE_HEADERS",
+    "ENGINE_UTILITY_ENDPOINTS",
     "MAX_KV_TOTAL_BLOCKS",
     "NEWER_SCHEMA",
     "RETRY_AFTER_MAX_S",
@@ -340,6 +341,11 @@ ENDPOINT_CHAT = "chat"
 ENDPOINT_TOKENIZE = "tokenize"
 ENDPOINT_DETOKENIZE = "detokenize"
 UTILITY_ENDPOINTS = frozenset({ENDPOINT_TOKENIZE, ENDPOINT_DETOKENIZE})
+# The utility endpoints each engine (WorkerInfo.engine) serves, as routes of the endpoint's name
+# (vLLM's /tokenize, /detokenize): its shim forwards only these, and a router sends a utility call
+# only to a worker whose engine serves it. SGLang's and TensorRT-LLM's routes differ (or are
+# absent), so their shims guess at none.
+ENGINE_UTILITY_ENDPOINTS: Mapping[str, frozenset[str]] = {"vllm": UTILITY_ENDPOINTS}
 
 
 ANNOTATION_BYPASS = "bypass_remote_prefill"

@@ -32,6 +32,7 @@ import msgspec
 from protocol import BlockHasher, WorkerInfo, adapter_named, serving
 from protocol.config import RouterSettings
 from protocol.hashing import chain_salt, endpoint_key
+from protocol.messages import ENGINE_UTILITY_ENDPOINTS
 from router.calibration import Calibration
 from router.disagg import Disaggregator, RoutePlan
 from router.eligibility import Eligibility, Exclusion, WorkerStatus, name_few
@@ -279,16 +280,27 @@ class Planner:
                 return n
         return 0
 
-    def utility_workers(self, model: str) -> list[WorkerInfo]:
-        """The workers of `model` that can answer a utility call (/tokenize) now: every shim serves
-        one whatever its role, and what keeps a worker from routing prompts (its index not in
-        sync, its KV events down) does not keep its engine from tokenizing; a silent, unreachable
-        or unhealthy one can; one that sent a malformed reply is left out for its cooldown, as from
-        routing. Decode and agg workers first, as prefill workers run long prompts."""
+    def utility_workers(self, model: str, endpoint: str) -> list[WorkerInfo]:
+        """The workers of `model` that can answer a utility call to `endpoint` (/tokenize) now: those
+        whose engine serves the route (ENGINE_UTILITY_ENDPOINTS), whatever their role; what keeps a
+        worker from routing prompts (its index not in sync, its KV events down) does not keep its
+        engine from tokenizing; a silent, unreachable or unhealthy one can; one that sent a
+        malformed reply is left out for its cooldown, as from routing. Decode and agg workers
+        first, as prefill workers run long prompts. PlanError 404 when workers serve `model` and
+        none of their engines serves the route: no wait ends that, and a call sent to one was a
+        404 from its shim, a failure handed on or logged per call (until 2026-12-07)."""
         infos = self._serving(model)
-        ok = [
-            i for i, st in zip(infos, self.eligibility.statuses(infos), strict=True) if st.exclusion not in _NO_UTILITY
-        ]
+        able = [i for i in infos if endpoint in ENGINE_UTILITY_ENDPOINTS.get(i.engine, ())]
+        if infos and not able:
+            engines = ", ".join(sorted({i.engine for i in infos}))
+            serve = " or ".join(sorted(e for e, routes in ENGINE_UTILITY_ENDPOINTS.items() if endpoint in routes))
+            where = f"send it for a model that {serve} engines serve" if serve else "no engine's shim forwards it"
+            raise PlanError(
+                404,
+                f"no worker of model {model} serves /{endpoint}: its engines ({engines}) have no such route; {where}",
+                transient=False,
+            )
+        ok = [i for i, st in zip(able, self.eligibility.statuses(able), strict=True) if st.exclusion not in _NO_UTILITY]
         return [i for i in ok if i.role != "prefill"] + [i for i in ok if i.role == "prefill"]
 
     def _stale_shim(self, info: WorkerInfo) -> bool:

@@ -270,7 +270,7 @@ class RequestPath:
         when the call failed. `request_id`: the call's (its caller logs its failure by it), a new
         one if None."""
         await self._check_connected()
-        workers = self.planner.utility_workers(model)
+        workers = self.planner.utility_workers(model, endpoint)
         if not workers:
             raise PlanError(503, f"no worker of model {model} can take the request now")
         first = self.calls % len(workers)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from protocol import block_hashes
-from protocol.messages import LoadReport, Role, Stored, WorkerInfo
+from protocol.messages import ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE, LoadReport, Role, Stored, WorkerInfo
 from router.block_index import BlockIndex
 from router.disagg import RoutePlan
 from router.eligibility import Exclusion, WorkerStatus
@@ -639,11 +639,34 @@ def test_utility_calls_go_to_every_worker_that_can_answer_prefill_last() -> None
     cannot."""
     f = Fleet(winfo("p1", "prefill"), winfo("d1"), winfo("d2"), winfo("a1", "agg"), winfo("other", model="x"),
               sync={"d2": ("bootstrapping", "waiting for the shim's first full state")})  # fmt: skip
-    assert [i.worker for i in f.planner.utility_workers(MODEL)] == ["d1", "d2", "a1", "p1"]
+    assert [i.worker for i in f.planner.utility_workers(MODEL, ENDPOINT_TOKENIZE)] == ["d1", "d2", "a1", "p1"]
     f.clock.now += 2.0  # four load-report periods without a word ...
     f.report("d2")
     f.report("p1")  # ... but from these two
-    assert [i.worker for i in f.planner.utility_workers(MODEL)] == ["d2", "p1"]
+    assert [i.worker for i in f.planner.utility_workers(MODEL, ENDPOINT_TOKENIZE)] == ["d2", "p1"]
+
+
+@pytest.mark.parametrize("endpoint", [ENDPOINT_TOKENIZE, ENDPOINT_DETOKENIZE])
+def test_utility_calls_go_only_to_workers_whose_engine_serves_the_route(endpoint: str) -> None:
+    """SGLang and TensorRT-LLM serve no /tokenize: until 2026-12-07 every Nth call went to such a
+    worker first, its shim's 404 handed on as a failure (a WARNING per episode)."""
+    f = Fleet(winfo("s1", engine="sglang"), winfo("v1"), winfo("t1", "agg", engine="trtllm"), winfo("v2", "prefill"))
+    assert [i.worker for i in f.planner.utility_workers(MODEL, endpoint)] == ["v1", "v2"]
+
+
+def test_a_model_no_engine_of_which_serves_the_route_is_a_404_naming_why() -> None:
+    """A model served by SGLang and TensorRT-LLM workers alone: no worker to wait for, so a 404 at
+    once, as its shims answered it (until 2026-12-07 after a leg to each, logged per call)."""
+    f = Fleet(winfo("s1", engine="sglang"), winfo("t1", engine="trtllm"), winfo("v1", model="other"))
+    with pytest.raises(PlanError) as err:
+        f.planner.utility_workers(MODEL, ENDPOINT_TOKENIZE)
+    assert (err.value.code, err.value.transient) == (404, False)
+    assert err.value.message == (
+        f"no worker of model {MODEL} serves /tokenize: its engines (sglang, trtllm) have no such route; "
+        "send it for a model that vllm engines serve"
+    )
+    # a model none serves at all stays the caller's 503 (its workers may register)
+    assert f.planner.utility_workers("none", ENDPOINT_TOKENIZE) == []
 
 
 def test_utility_calls_skip_a_worker_in_its_malformed_reply_cooldown() -> None:
@@ -651,4 +674,4 @@ def test_utility_calls_skip_a_worker_in_its_malformed_reply_cooldown() -> None:
     Nth call went to it first, a failed leg and a warning each (review1 D1)."""
     f = Fleet(winfo("d1"), winfo("d2"))
     f.planner.eligibility.mark_malformed("d1", "it sent a malformed reply: bad chunk")
-    assert [i.worker for i in f.planner.utility_workers(MODEL)] == ["d2"]
+    assert [i.worker for i in f.planner.utility_workers(MODEL, ENDPOINT_TOKENIZE)] == ["d2"]

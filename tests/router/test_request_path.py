@@ -26,7 +26,7 @@ class Planner:
     def __init__(self, infos: list[WorkerInfo]) -> None:
         self.infos = infos
 
-    def utility_workers(self, model: str) -> list[WorkerInfo]:
+    def utility_workers(self, model: str, endpoint: str) -> list[WorkerInfo]:
         return [i for i in self.infos if i.model == model]
 
 

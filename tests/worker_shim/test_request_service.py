@@ -26,7 +26,13 @@ from protocol import (
     encode_msg,
     subjects,
 )
-from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_COMPLETIONS, ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE
+from protocol.messages import (
+    ANNOTATION_BYPASS,
+    ENDPOINT_COMPLETIONS,
+    ENDPOINT_DETOKENIZE,
+    ENDPOINT_TOKENIZE,
+    ENGINE_UTILITY_ENDPOINTS,
+)
 from tests.worker_shim.cluster import BLOCK, connect, shim_for, sim_config, wait_for
 from worker_shim import ShimConfig, WorkerShim
 from worker_shim.adapters.base import EngineError
@@ -422,7 +428,7 @@ async def test_an_engine_without_the_route_refuses_a_utility_call() -> None:
     with pytest.raises(EngineError) as err:
         await adapter.call(ENDPOINT_TOKENIZE, {"prompt": "x"})
     assert err.value.code == 404 and "trtllm engine serves no /tokenize" in err.value.message
-    assert VllmAdapter.utility_paths == {ENDPOINT_TOKENIZE: "/tokenize", ENDPOINT_DETOKENIZE: "/detokenize"}
+    assert {VllmAdapter.kind: {ENDPOINT_TOKENIZE, ENDPOINT_DETOKENIZE}} == ENGINE_UTILITY_ENDPOINTS
 
 
 async def test_a_leg_of_n_sequences_counts_as_n_in_the_decode_context(ns: str, nats_url: str, etcd_url: str) -> None:

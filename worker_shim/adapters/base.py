@@ -43,7 +43,7 @@ import contextlib
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -337,11 +337,9 @@ class EngineAdapter(ABC):
     @abstractmethod
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome: ...
 
-    # The engine's utility routes by protocol endpoint (ENDPOINT_TOKENIZE, ENDPOINT_DETOKENIZE):
-    # only what the engine really serves, so a router never hears an answer the engine did not give.
-    utility_paths: ClassVar[Mapping[str, str]] = {}
-
     async def call(self, endpoint: str, body: dict[str, Any]) -> bytes:
         """The engine's whole answer to `body` on a utility route; EngineError (the engine's own
-        refusal, or 404 for a route this engine does not serve)."""
+        refusal, or 404 for a route this engine does not serve: only those of
+        protocol.messages.ENGINE_UTILITY_ENDPOINTS are asked, so a router never hears an answer
+        the engine did not give)."""
         raise EngineError(404, "engine_rejected", f"a {self.kind} engine serves no /{endpoint} route")

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from protocol.client_errors import essence
+from protocol.messages import ENGINE_UTILITY_ENDPOINTS
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth, ModelCard
 from worker_shim.adapters.openai_http import model_cards, post_utility
 from worker_shim.config import ShimConfig
@@ -142,10 +143,9 @@ class HttpEngineAdapter(EngineAdapter):
             return None
 
     async def call(self, endpoint: str, body: dict[str, Any]) -> bytes:
-        path = self.utility_paths.get(endpoint)
-        if path is None:
+        if endpoint not in ENGINE_UTILITY_ENDPOINTS.get(self.kind, ()):
             return await super().call(endpoint, body)
-        return await post_utility(self.session, self.base + path, body)
+        return await post_utility(self.session, f"{self.base}/{endpoint}", body)
 
     async def fetch(self, path: str, method: str = "GET", timeout: aiohttp.ClientTimeout = PROBE_TIMEOUT) -> bytes:
         """The body of a 200 answer from `path`; EngineError for any other status or no answer."""

@@ -42,7 +42,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import aiohttp
@@ -52,7 +51,7 @@ from protocol import ConfigError, SamplingParams
 from protocol import vllm_metrics as vm
 from protocol.client_errors import essence
 from protocol.fingerprint import PROBES, ChatProbe, fingerprint
-from protocol.messages import BAD_TRANSFER_HANDLE, ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE, PREFILL_STOPPED
+from protocol.messages import BAD_TRANSFER_HANDLE, PREFILL_STOPPED
 from worker_shim.adapters.base import (
     PROBE_OUTPUT_TOKENS,
     EngineError,
@@ -383,7 +382,6 @@ class VllmAdapter(ZmqEventsAdapter):
     serves_adapters_by_name: ClassVar[bool] = True
     serves_probe: ClassVar[bool] = True
     checks_rank: ClassVar[bool] = True
-    utility_paths: ClassVar[Mapping[str, str]] = {ENDPOINT_TOKENIZE: "/tokenize", ENDPOINT_DETOKENIZE: "/detokenize"}
 
     def __init__(self, config: ShimConfig) -> None:
         super().__init__(config)
