@@ -24,7 +24,7 @@ from tests.worker_shim.cluster import collector, served
 from tests.worker_shim.test_trtllm_adapter import CREATED, folded, removed, stored
 from worker_shim import EngineLoad, Normaliser, ShimConfig, ShimStatus, WorkerShim
 from worker_shim.adapters import trtllm
-from worker_shim.adapters.base import EngineCold, EngineError, LegRequest
+from worker_shim.adapters.base import EngineCold, EngineError, EngineHealth, LegRequest
 from worker_shim.adapters.trtllm import TrtllmAdapter, disagg_body
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker
 from worker_shim.load_reporter import LoadReporter
@@ -324,6 +324,61 @@ async def test_metrics_answering_empty_after_served_legs_is_said_once_naming_pr_
             assert await served_then_read(2) == []  # once
         finally:
             await adapter.close()
+
+
+async def _served_and_read(adapter: TrtllmAdapter, legs: int) -> None:
+    async def on_output(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
+        pass
+
+    for _ in range(legs):
+        await adapter.generate(LegRequest("r", "m", [1, 2, 3, 4], SamplingParams(max_tokens=2)), on_output)
+        assert (await adapter.load()).stale
+
+
+async def test_metrics_empty_from_an_engine_without_iteration_stats_names_no_pr_13405(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A trtllm-serve without enable_iter_perf_stats answers [] forever (--block-size stands in for
+    its limits): no collector runs, no stats go elsewhere. Until 2026-12-07 three served legs, each
+    followed by a load read, said the PR #13405 race and to turn return_perf_metrics off."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response([])
+
+    caplog.set_level(logging.WARNING, logger="worker_shim.adapters.trtllm")
+    async with _engine({"/metrics": metrics, "/v1/completions": completions}) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url, block_size=32))
+        await adapter.open()
+        try:
+            await _served_and_read(adapter, 2 * trtllm.EMPTY_SAY_READS)
+        finally:
+            await adapter.close()
+    assert caplog.records == []
+
+
+async def test_metrics_empty_after_a_restart_counts_only_once_the_new_engine_gave_stats(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Stats read from an engine say nothing of the one a restart brings up (/health down): one
+    without enable_iter_perf_stats, answering [] forever, is not taken for the PR #13405 race."""
+    stats = {"numActiveRequests": 1, "numQueuedRequests": 0,
+             "kvCacheStats": {"maxNumBlocks": 512, "usedNumBlocks": 8, "tokensPerBlock": TPB}}  # fmt: skip
+    answers: list[list[Any]] = [[stats]]  # then [] for good
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response(answers.pop(0) if answers else [])
+
+    caplog.set_level(logging.WARNING, logger="worker_shim.adapters.trtllm")
+    async with _engine({"/metrics": metrics, "/v1/completions": completions}) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+            assert (await adapter.limits()).kv_total_blocks == 512
+            assert await adapter.health() is EngineHealth.DOWN  # no /health route: restarting
+            await _served_and_read(adapter, 2 * trtllm.EMPTY_SAY_READS)
+        finally:
+            await adapter.close()
+    assert caplog.records == []
 
 
 # --- token-id legs ---------------------------------------------------------------------------------

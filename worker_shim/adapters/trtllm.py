@@ -28,7 +28,8 @@
   (busy, not down), and a `limits()` with limits held takes them. `return_perf_metrics` answers at
   once only from PR #13405 on: before it, a trtllm-serve with the Prometheus collector loop drains
   the stats in that loop too, and most reads answer []. EMPTY_SAY_READS reads of [] in a row, each
-  begun after a leg ended, are said once, naming it (a stale load alone says nothing).
+  begun after a leg ended, from an engine that has answered with stats (one without
+  enable_iter_perf_stats never does), are said once, naming it (a stale load alone says nothing).
 - Requests: the client's own OpenAI request (openai_http.pass_through_body), or a token-id leg
   (refused with a `cache_salt`: its CompletionRequest has none; `detokenize: false`, without which
   trtllm-serve returns text and no token ids).
@@ -97,7 +98,8 @@ METRICS_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
 LOAD_WAIT_S = 2.5
 LIMITS_WAIT_S = 30.0
 # /metrics reads answered [] in a row, each begun after a leg of this shim ended (iterations ran
-# since the read before), that are said once: the engine's stats go to another reader.
+# since the read before), by an engine that has answered with stats, that are said once: the
+# engine's stats go to another reader.
 EMPTY_SAY_READS = 3
 # The hint: a trtllm-serve with the Prometheus collector loop but before PR #13405 drains the stats
 # queue in that loop and in /metrics alike when return_perf_metrics is on (nvbug 6102381).
@@ -340,6 +342,7 @@ class TrtllmAdapter(HttpEngineAdapter):
         self._ended_at_answer = 0  # _legs_ended when the last /metrics read answered
         self._ended_at_start = 0  # _legs_ended when the read in flight began
         self._empty_reads = 0  # reads answered [] since the last with stats, each after a leg ended
+        self._stats_seen = False  # this engine answered with stats: without enable_iter_perf_stats it never does
         self._empty_said = False
         # The engine's limits as last read: its /metrics hands each stat out once, so an idle engine
         # answers [] to the next session. Dropped when it may have restarted (health(), run_events).
@@ -385,7 +388,7 @@ class TrtllmAdapter(HttpEngineAdapter):
     async def health(self) -> EngineHealth:
         health = await super().health()
         if health is EngineHealth.DOWN:
-            self._limits = None  # it may come back as another engine, which reports once it has served
+            self._forget_engine()  # it may come back as another engine, which reports once it has served
         return health
 
     async def limits(self) -> EngineLimits:
@@ -458,16 +461,26 @@ class TrtllmAdapter(HttpEngineAdapter):
             )
         return replace(self._load, stale=True, iterating=True)
 
+    def _forget_engine(self) -> None:
+        """The engine may be another now (restarted, perhaps without enable_iter_perf_stats): its
+        limits, and whether it gives stats at all, are read anew."""
+        self._limits = None
+        self._stats_seen = False
+        self._empty_reads = 0
+
     def _stats(self, body: bytes) -> Any:
-        """A /metrics answer's stats. [] after legs ended since the read before is an engine whose
-        iterations ran and whose stats went elsewhere: EMPTY_SAY_READS such in a row are said once
-        (each reading is otherwise only stale, no failure: nothing else would tell)."""
+        """A /metrics answer's stats. [] after legs ended since the read before, from an engine that
+        has answered with stats, is one whose iterations ran and whose stats went elsewhere:
+        EMPTY_SAY_READS such in a row are said once (each reading is otherwise only stale, no
+        failure: nothing else would tell). An engine that never answered with stats runs without
+        enable_iter_perf_stats (said where the flags stand in for its limits): its [] is no race."""
         stats = self._decode("/metrics", body)
         ran = self._ended_at_start > self._ended_at_answer
         self._ended_at_answer = self._legs_ended
         if stats != []:
             self._empty_reads = 0
-        elif ran:
+            self._stats_seen = True
+        elif ran and self._stats_seen:
             self._empty_reads += 1
             if self._empty_reads >= EMPTY_SAY_READS and not self._empty_said:
                 self._empty_said = True
@@ -497,7 +510,7 @@ class TrtllmAdapter(HttpEngineAdapter):
                         # A 500 is a fresh engine's (aget_kv_events asserts), a transport error one
                         # gone: the next may have other limits. Until 2026-12-07 they held, and an
                         # engine restarted with another block size registered with the old one.
-                        self._limits = None
+                        self._forget_engine()
                     if exc.code == 500 and not answered:
                         raise EngineCold(
                             f"{self.base}/kv_cache_events answered this stream's first poll with a 500: "
@@ -509,7 +522,7 @@ class TrtllmAdapter(HttpEngineAdapter):
                     restarts = self.tracker.restarts
                     batch = self.tracker.fold(events)  # malformed events: counted, logged once, dropped
                     if self.tracker.restarts != restarts:
-                        self._limits = None  # another engine: its limits are read anew
+                        self._forget_engine()  # another engine: its limits are read anew
                 answered, self._polled_at = True, time.monotonic()
                 live.set()
                 if batch.events or batch.reset:
