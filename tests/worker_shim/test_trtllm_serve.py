@@ -287,7 +287,7 @@ async def test_metrics_answering_empty_after_served_legs_is_said_once_naming_pr_
     """A trtllm-serve with return_perf_metrics but without PR #13405 has its Prometheus collector
     drain the stats /metrics would answer: reads come back [] while requests run and end. Each was
     only a stale load, so a worker reporting its last load for good said nothing. [] from an idle
-    engine, or fewer than EMPTY_SAY_READS in a row, stays unsaid."""
+    engine, or fewer than EMPTY_SAY_READS since a read with stats, stays unsaid."""
     stats = {"numActiveRequests": 1, "numQueuedRequests": 0,
              "kvCacheStats": {"maxNumBlocks": 512, "usedNumBlocks": 8, "tokensPerBlock": TPB}}  # fmt: skip
     answers: list[list[Any]] = [[stats], [], [], [], [], [], [stats]]  # then [] for good
@@ -319,7 +319,7 @@ async def test_metrics_answering_empty_after_served_legs_is_said_once_naming_pr_
             assert await served_then_read(3) == []  # [], [], then stats: no run of 3
             assert await served_then_read(2) == []
             (said,) = await served_then_read(1)
-            assert "answered [] 3 times in a row" in said and "PR #13405" in said
+            assert "answered [] 3 times since its last answer with stats" in said and "PR #13405" in said
             assert "turn return_perf_metrics off" in said
             assert await served_then_read(2) == []  # once
         finally:
@@ -333,6 +333,37 @@ async def _served_and_read(adapter: TrtllmAdapter, legs: int) -> None:
     for _ in range(legs):
         await adapter.generate(LegRequest("r", "m", [1, 2, 3, 4], SamplingParams(max_tokens=2)), on_output)
         assert (await adapter.load()).stale
+
+
+async def test_metrics_empty_reads_count_since_the_last_with_stats_across_idle_reads(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An idle read's [] between served ones proves nothing either way (a racing collector's idle
+    reads answer [] too): it neither counts nor resets, and the WARNING says "since its last answer
+    with stats". Until 2026-12-07 it said "in a row" over such reads."""
+    stats = {"numActiveRequests": 1, "numQueuedRequests": 0,
+             "kvCacheStats": {"maxNumBlocks": 512, "usedNumBlocks": 8, "tokensPerBlock": TPB}}  # fmt: skip
+    answers: list[list[Any]] = [[stats]]  # then [] for good
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response(answers.pop(0) if answers else [])
+
+    caplog.set_level(logging.WARNING, logger="worker_shim.adapters.trtllm")
+    async with _engine({"/metrics": metrics, "/v1/completions": completions}) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+            assert (await adapter.limits()).kv_total_blocks == 512
+            for _ in range(trtllm.EMPTY_SAY_READS - 1):
+                await _served_and_read(adapter, 1)
+                assert (await adapter.load()).stale  # idle: no leg ended since the read before
+            assert caplog.records == []
+            await _served_and_read(adapter, 1)
+        finally:
+            await adapter.close()
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert f"answered [] {trtllm.EMPTY_SAY_READS} times since its last answer with stats" in said
+    assert "PR #13405" in said
 
 
 async def test_metrics_empty_from_an_engine_without_iteration_stats_names_no_pr_13405(

@@ -27,9 +27,10 @@
   one read is in flight at a time, and a `load()` it keeps waiting reports the last load, stale
   (busy, not down), and a `limits()` with limits held takes them. `return_perf_metrics` answers at
   once only from PR #13405 on: before it, a trtllm-serve with the Prometheus collector loop drains
-  the stats in that loop too, and most reads answer []. EMPTY_SAY_READS reads of [] in a row, each
-  begun after a leg ended, from an engine that has answered with stats (one without
-  enable_iter_perf_stats never does), are said once, naming it (a stale load alone says nothing).
+  the stats in that loop too, and most reads answer []. EMPTY_SAY_READS reads of [] since the last
+  with stats, each begun after a leg ended (an idle engine's [] between them is neither counted nor
+  a reset), from an engine that has answered with stats (one without enable_iter_perf_stats never
+  does), are said once, naming it (a stale load alone says nothing).
 - Requests: the client's own OpenAI request (openai_http.pass_through_body), or a token-id leg
   (refused with a `cache_salt`: its CompletionRequest has none; `detokenize: false`, without which
   trtllm-serve returns text and no token ids).
@@ -97,9 +98,10 @@ EVENTS_HELD_SAY_S = 10.0  # a poll held this long is said once: the index lags t
 METRICS_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
 LOAD_WAIT_S = 2.5
 LIMITS_WAIT_S = 30.0
-# /metrics reads answered [] in a row, each begun after a leg of this shim ended (iterations ran
-# since the read before), by an engine that has answered with stats, that are said once: the
-# engine's stats go to another reader.
+# /metrics reads answered [] since the last with stats, each begun after a leg of this shim ended
+# (iterations ran since the read before), by an engine that has answered with stats, that are said
+# once: the engine's stats go to another reader. An idle read's [] is no evidence either way: it
+# neither counts nor resets.
 EMPTY_SAY_READS = 3
 # The hint: a trtllm-serve with the Prometheus collector loop but before PR #13405 drains the stats
 # queue in that loop and in /metrics alike when return_perf_metrics is on (nvbug 6102381).
@@ -471,8 +473,9 @@ class TrtllmAdapter(HttpEngineAdapter):
     def _stats(self, body: bytes) -> Any:
         """A /metrics answer's stats. [] after legs ended since the read before, from an engine that
         has answered with stats, is one whose iterations ran and whose stats went elsewhere:
-        EMPTY_SAY_READS such in a row are said once (each reading is otherwise only stale, no
-        failure: nothing else would tell). An engine that never answered with stats runs without
+        EMPTY_SAY_READS such since the last read with stats are said once (an idle read's [] between
+        them proves nothing either way; each reading is otherwise only stale, no failure: nothing
+        else would tell). An engine that never answered with stats runs without
         enable_iter_perf_stats (said where the flags stand in for its limits): its [] is no race."""
         stats = self._decode("/metrics", body)
         ran = self._ended_at_start > self._ended_at_answer
@@ -485,9 +488,9 @@ class TrtllmAdapter(HttpEngineAdapter):
             if self._empty_reads >= EMPTY_SAY_READS and not self._empty_said:
                 self._empty_said = True
                 log.warning(
-                    "%s/metrics answered [] %d times in a row, each read begun after this shim's requests ran on the "
-                    "engine: its iteration stats went to another reader, so the load reported is the last one read, "
-                    "stale (said once). %s",
+                    "%s/metrics answered [] %d times since its last answer with stats, each to a read begun after "
+                    "this shim's requests ran on the engine: its iteration stats went to another reader, so the load "
+                    "reported is the last one read, stale (said once). %s",
                     self.base,
                     self._empty_reads,
                     _RACING_COLLECTOR,
