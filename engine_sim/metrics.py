@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from protocol import vllm_metrics as vm
@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 
 __all__ = ["CONTENT_TYPE", "render_metrics"]
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+# What vLLM 0.32 sent (tests/fixtures/vllm-0.32/*/requests_log.jsonl): its GET /metrics is
+# prometheus_fastapi_instrumentator's route, which names its prometheus_client's CONTENT_TYPE_LATEST
+# whatever the Accept header says. Written out: this package's prometheus_client is not vLLM's.
+CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
 _LABELS = ["model_name", "engine"]
 _FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 

@@ -10,7 +10,7 @@ from engine_sim import SimServer
 from engine_sim.request import SimRequest
 from engine_sim.runner import MAX_LAG
 from tests.engine_sim.conftest import sim_config
-from tests.protocol.vllm_captures import fixture_path
+from tests.protocol.vllm_captures import CAPTURES, fixture_lines, fixture_path
 from tests.router.polling import until
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$")
@@ -174,3 +174,21 @@ async def test_an_engine_with_nothing_to_compute_shows_its_state_now() -> None:
             if await waiting() == 0:
                 break
         assert await waiting() == 0  # old: 1 for good
+
+
+async def test_metrics_content_type_is_the_one_vllm_sent(sim: SimServer) -> None:
+    """The captures' GET /metrics Content-Type (vLLM's route is prometheus_fastapi_instrumentator's,
+    which ignores Accept), with no Accept and with Prometheus's scrape Accept header. The sim's
+    followed its own prometheus_client's CONTENT_TYPE_LATEST, which need not be vLLM's."""
+    sent = {
+        entry["resp_headers"]["content-type"]
+        for variant in CAPTURES
+        for entry in fixture_lines("requests_log.jsonl", variant)
+        if entry.get("path") == "/metrics" and entry.get("status") == 200
+    }
+    assert len(sent) == 1, sent
+    scrape_accept = "application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.1"
+    async with aiohttp.ClientSession() as s:
+        for headers in ({}, {"Accept": scrape_accept}):
+            async with s.get(sim.url + "/metrics", headers=headers) as r:
+                assert r.status == 200 and {r.headers["Content-Type"]} == sent, headers
