@@ -10,8 +10,9 @@ engines, P = 1 .. N - 1 (or `--splits`). The engines are the sims `kvswitch up` 
 docker-compose.yml start, at their max_model_len (`--max-model-len`, 32768 as theirs by default):
 longer requests are errors, as they would be there.
 Every candidate replays the same requests, so they are ranked by how many finish within both SLOs,
-then by fewer errors, then by TTFT p90; the winner's exact `kvswitch up` command, router flags and
-docker-compose router command follow the table, and `reproduce:`, the `kvswitch bench replay
+then by fewer errors, then by TTFT p90; the winner's exact `kvswitch up` command, router flags,
+docker-compose router command and engine copies (each shim's worker name, nkey file, secrets'
+--workers) follow the table, and `reproduce:`, the `kvswitch bench replay
 --clock virtual` that measures its row again. The routers are given the SLOs the ranking uses.
 When no candidate serves a single request within the SLOs there is no winner: the table, a line
 saying so, and exit status 1.
@@ -211,9 +212,8 @@ def settings_text(winner: Candidate, profile: str, slo: Slo, max_model_len: int 
     engines = (
         f"{winner.agg} engines in the agg role (`--role agg`), each with its shim"
         if winner.agg
-        else f"{winner.prefill} engines with `--role prefill` and {winner.decode} with `--role decode`, each with its "
-        f"shim (docker-compose.yml: the net-prefill/sim-prefill/shim-prefill trio x{winner.prefill}, "
-        f"net-decode/sim-decode/shim-decode x{winner.decode}, each copy its own net-* service)"
+        else f"{winner.prefill} engines with `--role prefill` and {winner.decode} with `--role decode`, "
+        "each with its shim"
     )
     # The sims and shims default to DEFAULT_PROFILE (the shims by registering none, which the routers
     # read as it): any other goes on both, as `kvswitch up` gives it, or the fleet is not the one ranked.
@@ -231,8 +231,37 @@ def settings_text(winner: Candidate, profile: str, slo: Slo, max_model_len: int 
             "  compose:        router-1's and router-2's `command:` (its flags override any environment):",
             *(f"    {router}:      command: {_compose_router_command(args, router)}" for router in COMPOSE_ROUTERS),
             f"  engines:        {engines}",
+            *_compose_engines(winner),
         ]
     )
+
+
+def _compose_engines(winner: Candidate) -> list[str]:
+    """docker-compose.yml's engines for the winner's fleet. Each engine is a net-*/sim-*/shim-* trio,
+    and each shim a NATS identity of its own: a copied trio keeping `--worker-name prefill-0` and its
+    nkey file is refused by the NATS server and the routers as a second prefill-0, and a name missing
+    from the secrets service's --workers has no nkey file."""
+    pools = [("agg", winner.agg)] if winner.agg else [("prefill", winner.prefill), ("decode", winner.decode)]
+    names = [f"{role}-{i}" for role, count in pools for i in range(count)]
+    lines = []
+    if winner.agg:
+        lines.append(
+            "  compose:        docker-compose.yml ships prefill and decode engines only; run the local cluster above "
+            f"(`kvswitch up --agg {winner.agg}`), or deploy/k8s, or in compose make the trio's sim and shim "
+            "`--role agg` and copy it as below"
+        )
+    for role, count in pools:
+        trio = "net-prefill/sim-prefill/shim-prefill" if role != "decode" else "net-decode/sim-decode/shim-decode"
+        copies = ", ".join(f"{role}-{i}" for i in range(count))
+        lines.append(f"  {role + ' copies:':<16}the {trio} trio x{count}, one per worker: {copies}")
+    lines += [
+        "    each copy NAME: services net-NAME, sim-NAME and shim-NAME (sim and shim with network_mode "
+        '"service:net-NAME"); its shim with `--worker-name NAME` and '
+        "`--nats-nkey-file /var/lib/kvswitch/worker-NAME.nk`",
+        f"  secrets:        the secrets service's `--workers, {json.dumps(','.join(names))}` "
+        "(a NATS identity per shim)",
+    ]
+    return lines
 
 
 def reproduce_command(winner: Candidate, args: argparse.Namespace) -> str:

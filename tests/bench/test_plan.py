@@ -279,3 +279,36 @@ def test_the_winners_reproduce_line_replays_its_row(
     assert command[:3] == ["kvswitch", "bench", "replay"]
     main([*command[1:], "--out", str(tmp_path / "replay.jsonl"), "--no-progress"])
     assert format_summary(winner.summary) in capsys.readouterr().out
+
+
+def _copies(text: str, role: str) -> list[str]:
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"  {role} copies:"))
+    return line.split("one per worker: ", 1)[1].split(", ")
+
+
+@pytest.mark.parametrize("winner", [Candidate("slo_aware", 2, 3, 0), Candidate("kv", 0, 0, 3)])
+def test_the_compose_engine_lines_make_a_fleet_whose_shims_each_have_a_nats_identity(winner: Candidate) -> None:
+    """Before, the line said to copy the shim-prefill trio xP as it stands: every copy kept `--worker-name
+    prefill-0` and its nkey file (refused as a second prefill-0), and the secrets service's --workers,
+    which makes each shim's nkey, was not mentioned; an aggregated winner had no compose line at all."""
+    text = settings_text(winner, "h200:llama-3.1-8b", Slo(2.0, 0.025))
+    compose = yaml.safe_load((Path(__file__).parents[2] / "docker-compose.yml").read_text())["services"]
+    each = next(ln for ln in text.splitlines() if ln.startswith("    each copy NAME:"))
+    assert "`--worker-name NAME`" in each and "`--nats-nkey-file /var/lib/kvswitch/worker-NAME.nk`" in each
+    # the pattern is compose's own: its shims are prefill-0 and decode-0 with these files
+    for name in ("prefill-0", "decode-0"):
+        command = compose[f"shim-{name.split('-')[0]}"]["command"]
+        assert command[command.index("--worker-name") + 1] == name
+        assert command[command.index("--nats-nkey-file") + 1] == f"/var/lib/kvswitch/worker-{name}.nk"
+    roles = ["agg"] if winner.agg else ["prefill", "decode"]
+    names = [n for role in roles for n in _copies(text, role)]
+    counts = [winner.agg] if winner.agg else [winner.prefill, winner.decode]
+    assert [len(_copies(text, role)) for role in roles] == counts
+    assert len(set(names)) == len(names) and all(n.startswith(tuple(roles)) for n in names)
+    secrets = next(ln for ln in text.splitlines() if ln.startswith("  secrets:"))
+    workers = json.loads(secrets.split("`--workers, ", 1)[1].split("`", 1)[0])
+    assert workers.split(",") == names  # every shim's nkey is made, and no other
+    assert "--workers" in compose["secrets"]["command"]
+    if winner.agg:
+        line = next(ln for ln in text.splitlines() if ln.startswith("  compose:        docker-compose.yml ships"))
+        assert f"kvswitch up --agg {winner.agg}" in line and "`--role agg`" in line
