@@ -488,8 +488,9 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     from bench.replay import write_results
     from bench.trace import TokenSynth
     from bench.ttft_floor import ceiling_cached
-    from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
+    from bench.virtual.fleet import FleetSpec, VirtualFleet, check_span, settings_from_args
 
+    check_span("--speed", items, args.speed)
     config = CONFIGURATIONS.get(args.configuration)
     if config is None:
         raise ValueError(f"--configuration: unknown {args.configuration}; allowed: {', '.join(CONFIGURATIONS)}")
@@ -576,7 +577,7 @@ def _compare(args: argparse.Namespace) -> int:
     )
     from bench.peers import missing_binaries
     from bench.results_file import ResultsFile, fresh_path
-    from bench.virtual.fleet import SIMS_MAX_MODEL_LEN
+    from bench.virtual.fleet import SIMS_MAX_MODEL_LEN, check_span
 
     plot_compare = _plotting().plot_compare
 
@@ -604,6 +605,9 @@ def _compare(args: argparse.Namespace) -> int:
             continue
         configurations.append(known[name])
     items = _trace_items(args)
+    if virtual:
+        for rate in rates:
+            check_span("--rates", items, rate)
     sim_args = list(args.sim_arg)
     engine_len, raised = SIMS_MAX_MODEL_LEN, None
     if virtual or "--max-model-len" not in sim_args:  # live: one given by --sim-arg is the user's, as given
@@ -673,7 +677,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from bench.results_file import fresh_path
     from bench.sweep import format_sweep, parse_fleets, run_sweep, write_points
     from bench.ttft_floor import floor_p90
-    from bench.virtual.fleet import FleetSpec
+    from bench.virtual.fleet import FleetSpec, check_span
     from protocol.timing import TimingModel
 
     plot_sweep = _plotting().plot_sweep
@@ -696,6 +700,8 @@ def _sweep(args: argparse.Namespace) -> int:
     items = _replay_items(args)
     if not items:
         raise ValueError("the workload is empty")
+    for rate in rates:
+        check_span("--rates", items, rate)
     engine_len, raised = _max_model_len(args, items)
     check_out_dir("--out-dir", args.out_dir)  # last: a command refused before creates nothing
     started = time.monotonic()

@@ -46,6 +46,7 @@ from bench.virtual.fleet import (
     FleetSpec,
     VirtualFleet,
     check_max_model_len,
+    check_span,
     settings_from_args,
 )
 from bench.workloads import WorkItem, from_trace
@@ -358,6 +359,7 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError(f"no records in the trace file {trace}")
         raise ValueError("the trace selection is empty (check --start/--duration/--limit)")
     items = from_trace(records, scale_tokens=args.scale_tokens)
+    check_span("--rate", items, args.rate)
     slo = Slo(args.slo_ttft, args.slo_itl)
     todo = candidates(args.gpus, [CONFIGURATIONS[n] for n in names], splits)
     jobs = [_Job(c, items, args.profile, args.rate, slo, args.seed, args.max_model_len) for c in todo]

@@ -271,6 +271,11 @@ class VirtualEngine:
     # --- what the shim reads -----------------------------------------------------------------------
 
     @property
+    def quiet(self) -> bool:
+        """Idle with nothing pending: no request, step, pinned or held KV (no event of its own to come)."""
+        return not (self._busy or self._woken or self._requests or self._pin_expiry or self._held or self._beating)
+
+    @property
     def running(self) -> int:
         return len(self.scheduler.running)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,17 +40,23 @@ from router.calibration import MAX_SCALE, MIN_SCALE, Calibration
 from router.planner import PrefixReach
 
 __all__ = [
+    "MAX_VIRTUAL_S",
     "SIMS_MAX_MODEL_LEN",
     "FleetSpec",
     "VirtualFleet",
     "VirtualRun",
     "check_max_model_len",
     "check_profile",
+    "check_span",
     "settings_from_args",
 ]
 
 DEFAULT_PROFILE = "h200:llama-3.1-8b"
 SIMS_MAX_MODEL_LEN = SimConfig().max_model_len  # the sims', so `kvswitch up`'s and docker-compose.yml's
+# The latest arrival a replay may have, in virtual seconds (about 32 years): float seconds that far
+# still resolve 0.12 us, well under the engines' millisecond steps; at 1e10 s a rate of 1e-9 already
+# moved TTFTs by 3e-8 s, and at 1e-300 times stopped advancing (every request an error).
+MAX_VIRTUAL_S = 1e9
 
 
 @dataclass
@@ -178,6 +185,19 @@ def check_max_model_len(tokens: int, profile: str, *, what: str | None = None) -
         ) from None
 
 
+def check_span(flag: str, items: Sequence[WorkItem], rate: float) -> None:
+    """ValueError naming `flag` when `items` at `rate` times their arrival rate arrive past MAX_VIRTUAL_S."""
+    last = max((item.arrival_s for item in items), default=0.0)
+    if last / rate > MAX_VIRTUAL_S:  # inf too
+        least = last / MAX_VIRTUAL_S
+        step = 10.0 ** (math.floor(math.log10(least)) - 2)
+        raise ValueError(
+            f"{flag} {rate:g}: the workload's last arrival, {last:g} s in, would come {last / rate:.3g} s into the "
+            f"virtual clock, past its bound of {MAX_VIRTUAL_S:g} s (float seconds beyond lose the engines' timing); "
+            f"raise {flag} to at least {math.ceil(least / step) * step:.3g}"
+        )
+
+
 def settings_from_args(args: Sequence[str]) -> RouterSettings:
     """RouterSettings from `kvswitch router` flags (a configuration's router_args), defaults for
     the rest; the environment and config files are not read, so a run depends on its flags alone."""
@@ -273,7 +293,10 @@ class VirtualFleet:
             r.peers = [p for p in self.routers if p is not r]
         for shim in self.shims.values():
             shim.routers = self.routers
+            shim.quiet_until = self._quiet_until
         self._left = 0
+        self._in_flight = 0
+        self._next_arrival: float | None = None
         self._ended: set[int] = set()
 
     def _calibration(self) -> Calibration | None:
@@ -287,13 +310,15 @@ class VirtualFleet:
         """Replay `items` at `rate` times their arrival rate; returns when every request ended."""
         if not rate > 0:
             raise ValueError(f"rate must be > 0, got {rate}")
+        check_span("rate", items, rate)
         ordered = sorted(enumerate(items), key=lambda pair: pair[1].arrival_s)
         requests: list[VirtualRequest] = []
         self._left = len(ordered)
         for shim in self.shims.values():
             shim.start()
         if ordered:
-            self.clock.at(ordered[0][1].arrival_s / rate, self._arrive, ordered, 0, synth, rate, requests)
+            self._next_arrival = ordered[0][1].arrival_s / rate
+            self.clock.at(self._next_arrival, self._arrive, ordered, 0, synth, rate, requests)
         else:
             self._stop()
         # The replay allocates millions of acyclic, mostly long-lived objects (hash chains, blocks):
@@ -334,15 +359,26 @@ class VirtualFleet:
         req = VirtualRequest(index, item.tag, self.clock.now, tokens, item.output_len, prompt_tokens=len(tokens))
         req.url = f"virtual://{router.name}"
         requests.append(req)
+        self._in_flight += 1
         self.clock.after(self.spec.delays.client_s, router.receive, req)
+        self._next_arrival = None
         if n + 1 < len(ordered):
-            self.clock.at(ordered[n + 1][1].arrival_s / rate, self._arrive, ordered, n + 1, synth, rate, requests)
+            self._next_arrival = ordered[n + 1][1].arrival_s / rate
+            self.clock.at(self._next_arrival, self._arrive, ordered, n + 1, synth, rate, requests)
+
+    def _quiet_until(self) -> float | None:
+        """The next arrival, while nothing but the shims' periodic ticks can happen before it: no
+        request in flight and every engine quiet (VirtualShim skips its ticks to shortly before it)."""
+        if self._in_flight or not all(e.quiet for e in self.engines.values()):
+            return None
+        return self._next_arrival
 
     def _done(self, req: VirtualRequest) -> None:
         if req.index in self._ended:
             raise RuntimeError(f"request {req.request_id} ended twice")
         self._ended.add(req.index)
         self._left -= 1
+        self._in_flight -= 1
         if self._left == 0:
             self._stop()
 

@@ -11,7 +11,10 @@
   their own moments). The publish loop: a poke (each reading, each change of the shim's own queued
   prefill tokens) publishes MIN_GAP_S later, pokes in that gap folded in, and a report goes at
   least every DEFAULT_PERIOD_S (the heartbeat), changed or not, cutting the gap short at that
-  deadline; each report delivered to every router `load_report_s` later.
+  deadline; each report delivered to every router `load_report_s` later. While the fleet is quiet
+  (`quiet_until`: no request in flight, every engine idle) both loops skip whole periods to
+  QUIET_MARGIN_S before the next arrival: each tick in between read the same idle engine, and a run
+  at a tiny rate spent its wall time on them (5 requests at 1e-6 times the trace's rate took 79 s).
 - Legs: a leg becomes a SimRequest as the vLLM adapter and engine_sim's HTTP API build it: a prefill
   leg with `do_remote_decode` and one output token, a decode leg with the prefill leg's
   kv_transfer_params (unless bypassed), anything else prefilled locally. While a leg waits for
@@ -24,6 +27,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -47,6 +51,9 @@ if TYPE_CHECKING:
 __all__ = ["POLL_S", "VirtualShim"]
 
 POLL_S = 0.25  # the shim's engine poll (worker_shim.shim: min(0.25, health_interval_s))
+# Ticks resume this long before the next arrival after a quiet stretch: the routers then hold fresh
+# reports and the readings' spacing is the usual one, as if no tick had been skipped.
+QUIET_MARGIN_S = 10 * DEFAULT_PERIOD_S
 
 _Sample = tuple[int, int, float]  # running, waiting, KV usage
 
@@ -103,6 +110,8 @@ class VirtualShim:
         self._last_sent = float("-inf")
         self._gap = False  # the publish loop sleeps MIN_GAP_S after a poke (else it waits for one)
         self._wake_gen = 0  # the publish loop's pending wake-up; an older one is stale
+        # The fleet's next arrival while nothing else can change what this shim reads (else None).
+        self.quiet_until: Callable[[], float | None] = lambda: None
         engine.on_events = self._on_engine_events
 
     # --- KV events -------------------------------------------------------------------------------
@@ -211,7 +220,16 @@ class VirtualShim:
         """The publish loop waits for a poke, or for the heartbeat's deadline."""
         self._gap = False
         self._wake_gen += 1
-        self.clock.at(self._last_sent + DEFAULT_PERIOD_S, self._wake, self._wake_gen)
+        self.clock.at(self._ahead(self._last_sent + DEFAULT_PERIOD_S, DEFAULT_PERIOD_S), self._wake, self._wake_gen)
+
+    def _ahead(self, due: float, period: float) -> float:
+        """`due`, or, while the fleet is quiet, the same phase of its loop whole periods later, at
+        least QUIET_MARGIN_S before the next arrival."""
+        until = self.quiet_until()
+        if until is None:
+            return due
+        skip = math.floor((until - QUIET_MARGIN_S - due) / period)
+        return due + skip * period if skip > 0 else due
 
     def _wake(self, gen: int) -> None:
         if gen != self._wake_gen:
@@ -227,12 +245,15 @@ class VirtualShim:
             self.clock.after(self.delays.engine_read_s / 2, self._rendered, self.clock.now)
 
     def _rendered(self, asked: float) -> None:
-        self.clock.after(self.delays.engine_read_s / 2, self._answered, asked, self._read())
+        quiet = self.quiet_until() is not None
+        self.clock.after(self.delays.engine_read_s / 2, self._answered, asked, self._read(), quiet)
 
-    def _answered(self, asked: float, reading: _Reading) -> None:
+    def _answered(self, asked: float, reading: _Reading, quiet: bool) -> None:
         self._take(asked, self.clock.now, reading)
         self.poke()
-        self.clock.after(POLL_S, self._poll)
+        due = self.clock.now + POLL_S
+        # Only after a reading of the quiet engine: the routers must see its last state before the skip.
+        self.clock.at(self._ahead(due, POLL_S + self.delays.engine_read_s) if quiet else due, self._poll)
 
     def _read(self) -> _Reading:
         e = self.engine

@@ -736,3 +736,28 @@ def test_compare_and_sweep_record_their_engines_max_model_len(
     [path] = (tmp_path / "c").glob("compare-*.json")
     measured = json.loads(path.read_text())
     assert [Measurement(**m).max_model_len for m in measured] == [40000]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["bench", *VIRTUAL, "--start", "1", "--speed", "1e-300"], "--speed 1e-300"),
+        (["bench", *COMPARE, "--limit", "2", "--start", "1", "--rates", "1,1e-300"], "--rates 1e-300"),
+        (["bench", *SWEEP, "--limit", "2", "--start", "1", "--rates", "1e-300"], "--rates 1e-300"),
+        (
+            ["plan", "--gpus", "1", "--policies", "kv", "--limit", "2", "--start", "1", "--rate", "1e-300"],
+            "--rate 1e-300",
+        ),
+    ],
+)
+def test_a_rate_that_puts_arrivals_past_the_virtual_clocks_bound_is_refused_before_anything_runs(
+    argv: list[str], flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At 1e-300 times the trace's rate the arrivals came 1e301 s in, where adding a step's duration
+    left the time as it was: the run took minutes and reported every request an error."""
+    monkeypatch.setattr(fleet.VirtualFleet, "run", _not_run)
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: the workload's last arrival" in err and f"past its bound of {fleet.MAX_VIRTUAL_S:g} s" in err
+    assert err.count("\n") == 1 and not (tmp_path / "bench").exists(), err

@@ -449,3 +449,26 @@ def test_a_max_model_len_no_engine_holds_is_refused_as_vllm_refuses_to_start() -
         _fleet(profile=qwen, max_model_len=most + 1)
     with pytest.raises(ValueError, match="larger than the available KV cache"):
         _fleet(num_gpu_blocks=2048, max_model_len=32768)  # 2047 blocks for requests, 2048 needed
+
+
+def _run_slow(ticking: bool, rate: float, *configuration: str) -> tuple[bytes, int]:
+    """8 requests at `rate` times their arrival rate (at 1e-3, about half an hour of idle virtual time)."""
+    fleet = _fleet(*configuration, routers=1)
+    if ticking:  # the shims' loops tick through every quiet stretch, as before the skip
+        for shim in fleet.shims.values():
+            shim.quiet_until = lambda: None
+    run = fleet.run(_items(8), TokenSynth(0), rate=rate)
+    return msgspec.json.encode(run.results()), run.events
+
+
+@pytest.mark.parametrize("configuration", [("--disagg", "never"), ("--disagg", "always")])
+def test_quiet_stretches_cost_no_ticks_and_change_no_result(configuration: tuple[str, ...]) -> None:
+    """The shims' polls and heartbeats ticked through every idle virtual second: 5 requests at 1e-6
+    times the trace's rate took 79 s of wall time, and 1e-9 never ended. Now a quiet stretch costs a
+    few events whatever its length, and the results are the ticking run's."""
+    skipped, events = _run_slow(False, 1e-3, *configuration)
+    ticked, ticked_events = _run_slow(True, 1e-3, *configuration)
+    assert skipped == ticked
+    assert events * 10 < ticked_events
+    _, slower = _run_slow(False, 1e-6, *configuration)  # a thousand times the idle time
+    assert slower < events * 1.1
