@@ -204,7 +204,7 @@ def format_summary(s: Summary) -> str:
         f"e2e        {_ms(s.e2e_s)}",
         f"throughput {s.output_tokens_per_s:.1f} output tok/s, {s.requests_per_s:.2f} req/s",
         f"goodput    {s.goodput_rps:.2f} req/s ({s.goodput_fraction:.0%} of requests within "
-        f"TTFT <= {s.slo.ttft_s} s and TPOT <= {s.slo.itl_s * 1e3:.0f} ms)",
+        f"TTFT <= {s.slo.ttft_s} s and TPOT <= {s.slo.itl_s * 1e3:g} ms)",
     ]
     if s.prefix_hit_rate is not None:
         lines.append(f"prefix hit {s.prefix_hit_rate:.1%} of prompt tokens (engines' metrics)")

@@ -234,7 +234,7 @@ class Admission:
             self._abandon(line, waiter)
             self.timed_out += 1
             raise Overloaded(
-                f"no worker had room within {wait_s:.1f}s", self._retry_after(model, len(line.waiters))
+                f"no worker had room within {wait_s:g}s", self._retry_after(model, len(line.waiters))
             ) from None
         except BaseException:  # the client left
             self._abandon(line, waiter)

@@ -244,7 +244,7 @@ class VirtualRouter:
         self.waiters.remove(waiter)
         self.timed_out += 1
         self.planner.finished(waiter.ctx)
-        self._fail(waiter.req, 429, f"no worker had room within {self.settings.slo_ttft_s / 2:.1f}s")
+        self._fail(waiter.req, 429, f"no worker had room within {self.settings.slo_ttft_s / 2:g}s")
         self.notify()
 
     def notify(self) -> None:

@@ -147,3 +147,9 @@ def test_results_round_trip_through_jsonl(results: list[RequestResult], tmp_path
 def test_format_names_the_clock_and_the_slo(results: list[RequestResult]) -> None:
     text = format_summary(summarize(results, latency_scale=10.0, prefix=PrefixCounters(4.0, 1.0)))
     assert "simulated time" in text and "TTFT <= 2.0 s" in text and "25.0% of prompt tokens" in text
+
+
+def test_the_slo_is_printed_as_given(results: list[RequestResult]) -> None:
+    """A 0.0058 s TPOT SLO printed as `TPOT <= 6 ms` (rendered to whole milliseconds)."""
+    text = format_summary(summarize(results, slo=Slo(0.35, 0.0058)))
+    assert "TTFT <= 0.35 s and TPOT <= 5.8 ms" in text

@@ -472,3 +472,10 @@ def test_quiet_stretches_cost_no_ticks_and_change_no_result(configuration: tuple
     assert events * 10 < ticked_events
     _, slower = _run_slow(False, 1e-6, *configuration)  # a thousand times the idle time
     assert slower < events * 1.1
+
+
+def test_a_waiters_429_names_its_wait_as_configured() -> None:
+    """Half a 0.05 s TTFT SLO read `no worker had room within 0.0s` (rendered to one decimal)."""
+    fleet = _fleet("--disagg", "never", "--slo-ttft-s", "0.05", routers=1, prefill=0, decode=0, agg=1)
+    errors = {r.error for r in fleet.run(_items(30), TokenSynth(0), rate=20).results() if not r.ok}
+    assert "no worker had room within 0.025s" in errors

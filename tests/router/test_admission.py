@@ -212,6 +212,13 @@ async def test_a_waiter_gives_up_after_the_wait_with_429() -> None:
     assert adm.timed_out == 1 and adm.depth == 0
 
 
+async def test_the_429_names_the_wait_as_configured() -> None:
+    """A 0.025 s wait read `no worker had room within 0.0s` (rendered to one decimal)."""
+    fleet = Fleet(room=0)
+    with pytest.raises(Overloaded, match=r"no worker had room within 0\.025s"):
+        await admission(fleet, wait_s=0.025).admit(req(0), fleet.take)
+
+
 async def test_a_plan_granted_to_a_waiter_that_left_is_released() -> None:
     fleet = Fleet(room=0)
     adm = admission(fleet)
