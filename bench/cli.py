@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -438,6 +439,8 @@ def _trace_items(args: argparse.Namespace) -> list[WorkItem]:
     check_non_negative("--start", start)
     records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=start)
     if not records:
+        if not load_trace(trace, limit=1):  # as plan says it: no flag could select from an empty file
+            raise ValueError(f"no records in the trace file {trace}")
         raise ValueError("the trace selection is empty (check --start/--duration/--limit)")
     scale = 1.0 if args.scale_tokens is None else args.scale_tokens
     return from_trace(records, scale_tokens=scale, max_input_len=args.max_input_len)
@@ -498,6 +501,10 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     config = CONFIGURATIONS.get(args.configuration)
     if config is None:
         raise ValueError(f"--configuration: unknown {args.configuration}; allowed: {', '.join(CONFIGURATIONS)}")
+    try:
+        settings_from_args(args.router_arg)
+    except ValueError as exc:
+        raise ValueError(f"--router-arg {shlex.join(args.router_arg)}: {exc}") from None
     check_prefill_engines(f"--prefill {args.prefill}", args.prefill, [config], args.router_arg)
     engine_len, raised = _max_model_len(args, items)
     slo = Slo(args.slo_ttft, args.slo_itl)

@@ -18,6 +18,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from bench.replay import RequestResult
 from bench.summary import PrefixCounters
@@ -201,10 +202,18 @@ def check_span(flag: str, items: Sequence[WorkItem], rate: float) -> None:
 def settings_from_args(args: Sequence[str]) -> RouterSettings:
     """RouterSettings from `kvswitch router` flags (a configuration's router_args), defaults for
     the rest; the environment and config files are not read, so a run depends on its flags alone."""
-    parser = argparse.ArgumentParser(prog="router settings", add_help=False)
+    parser = _Parser(prog="router settings", add_help=False)
     add_flags(parser, RouterSettings)
     ns = parser.parse_args(list(args))
     return resolve(RouterSettings, cli=vars(ns), env={})
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is a ValueError for the caller to name (replay's --router-arg), not this internal
+    parser's usage and an exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
 
 
 class VirtualFleet:

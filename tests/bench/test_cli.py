@@ -795,3 +795,32 @@ def test_configs_all_stands_alone_and_the_message_says_so(
     assert main(["bench", *COMPARE, "--limit", "2", "--configs", configs]) == 2
     err = capsys.readouterr().err
     assert message in err and "unknown all" not in err, err
+
+
+@pytest.mark.parametrize("argv", [VIRTUAL, COMPARE, LIVE])
+def test_an_empty_trace_file_is_told_from_an_empty_selection(
+    argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty file read `the trace selection is empty (check --start/--duration/--limit)`, as plan's does not."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", *argv, "--trace", str(empty)]) == 2
+    assert f"no records in the trace file {empty}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("router_args", "message"),
+    [
+        (["--router-arg=--bogus"], "--router-arg --bogus: unrecognized arguments: --bogus"),
+        (["--router-arg=--slo-ttft-s", "--router-arg=x"], "--router-arg --slo-ttft-s x: argument --slo-ttft-s:"),
+    ],
+)
+def test_a_bad_router_arg_is_named(
+    router_args: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It printed the internal parser's usage under the name `router settings`, naming no --router-arg."""
+    monkeypatch.setattr(fleet.VirtualFleet, "run", _not_run)
+    assert main(["bench", *VIRTUAL, *router_args]) == 2
+    out = capsys.readouterr()
+    assert message in out.err and "router settings" not in out.err and out.out == "", out
