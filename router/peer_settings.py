@@ -152,11 +152,18 @@ class PeerSettings:
         return [diff.text for diff in self.differing().values()]
 
     def check(self) -> None:
-        """Log each difference that has lasted `settle_s`, once (run when it may have)."""
+        """Log each difference that has lasted `settle_s`, once (run when it may have), and look
+        again when the first of those not yet settled will have: a timer may fire a little early
+        (uvloop's run to the millisecond), and one that found nothing settled left its WARNING
+        unsaid for good."""
+        now = self._clock()
+        left = [since + self.settle_s - now for _, since in self._diffs.values()]
         for peer, diff in self.differing().items():
             if self._warned.get(peer) != diff:
                 self._warned[peer] = diff
                 log.warning("%s", diff.text)
+        if waits := [s for s in left if s > 0]:
+            self._check_in(min(waits))
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -172,8 +179,11 @@ class PeerSettings:
             return
         # A peer that differed already keeps its time: it does not agree now either.
         self._diffs[peer] = (diff, self._clock() if held is None else held[1])
+        self._check_in(self.settle_s)
+
+    def _check_in(self, delay: float) -> None:
         with contextlib.suppress(RuntimeError):  # no loop (a clock driven by hand): check() when asked
-            asyncio.get_running_loop().call_later(self.settle_s, self.check)
+            asyncio.get_running_loop().call_later(delay, self.check)
 
     def _diff(self, peer: str, info: RouterInfo) -> _Diff | None:
         settings = bool(info.settings_digest) and info.settings_digest != self.digest

@@ -7,14 +7,16 @@ etcd."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import datetime
 import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVarTuple
 
 import aiohttp
 import msgspec
@@ -704,6 +706,43 @@ def test_a_peer_of_another_rendering_digest_is_named_for_it_and_one_without_one_
     assert f"chat rendering digest {other} (this router's {mine}" in warning and "routing settings" not in warning
     peers.seen("p", info(""))  # a router before the rendering digest: its settings and version alone
     assert peers.warnings() == []
+
+
+_Ts = TypeVarTuple("_Ts")
+
+
+class _EarlyTimers(asyncio.SelectorEventLoop):
+    """A loop whose timers fire a millisecond early, as uvloop's (libuv runs them to the ms) may."""
+
+    def call_at(
+        self,
+        when: float,
+        callback: Callable[[*_Ts], object],
+        *args: *_Ts,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.TimerHandle:
+        return super().call_at(when - 0.001, callback, *args, context=context)
+
+
+def test_a_difference_is_warned_even_when_its_timer_fires_before_it_has_settled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Under uvloop the settle timer could fire up to 1 ms early: check() found nothing settled and
+    # never looked again, so about half the replicas that differed were never a WARNING (audit,
+    # 2026-12-07); /ready and the gauge said so all along.
+    caplog.set_level(logging.WARNING, logger="router.peer_settings")
+    mine, other = settings_digest(RouterSettings()), settings_digest(RouterSettings(routing="round_robin"))
+
+    async def differ() -> list[str]:
+        peers = PeerSettings("ns", mine, "0.1.0", settle_s=0.05)
+        peers.seen("p", RouterInfo(router="p", http_url="", started_at=0.0, version="0.1.0", settings_digest=other))
+        await asyncio.sleep(0.3)
+        assert peers.settings_mismatch() == ["p"]
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    with asyncio.Runner(loop_factory=_EarlyTimers) as runner:
+        (warned,) = runner.run(differ())
+    assert "peer router p" in warned and other in warned
 
 
 async def test_a_timing_profile_the_router_cannot_load_is_a_ready_warning_naming_the_workers_and_the_fix(
