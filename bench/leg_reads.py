@@ -50,6 +50,9 @@ class IdleOwner:
     async def connected(self) -> bool:
         return True
 
+    async def answers(self) -> bool:
+        return True
+
     def back_within(self, window_s: float, since: float | None = None) -> bool:
         return False
 

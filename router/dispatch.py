@@ -120,6 +120,7 @@ from router.policies import Outcome, Path
 from router.prefill_watch import PrefillWatch
 from router.tracing import RequestTracer
 from runtime import guarded
+from runtime.nats_flush import nats_answers
 
 __all__ = ["Bookings", "Dispatcher", "Job"]
 
@@ -323,6 +324,8 @@ class Dispatcher:
         self.buffers = ClientBuffers(client_buffer_bytes, self._streams, self._over_budget)
         self._nats_lost_at: float | None = None  # time.monotonic() the connection last dropped
         self._nats_back_at: float | None = None  # ... and came back
+        self._probe: asyncio.Future[bool] | None = None  # a round trip on it in flight (answers)
+        self._probe_at = 0.0  # ... and when it was asked for
         self.awake_for = awake_for  # seconds since this router's loop last stalled (runtime.loop_watch)
         # A worker's clock less this router's (router.clock_skew): a leg's deadline goes out on the
         # worker's clock, which checks it, or one ahead by the request timeout fails every request.
@@ -408,7 +411,7 @@ class Dispatcher:
 
     @property
     def lost_at(self) -> float | None:
-        """time.monotonic() the router's NATS connection last dropped."""
+        """time.monotonic() the router's NATS connection last dropped, or was found hung (answers)."""
         return self._nats_lost_at
 
     def nats_back(self) -> None:
@@ -444,6 +447,30 @@ class Dispatcher:
                 return False
             await asyncio.sleep(_RECONNECT_POLL_S)
         return True
+
+    async def answers(self) -> bool:
+        """NATS answers a round trip, or does again within the wait `connected` gives: a hung server
+        (stopped, or behind a partition that drops packets) leaves the connection up until nats-py's
+        own PINGs go unanswered, and each leg in flight went silent, its worker blamed and left out
+        as unreachable (replica audit of 2026-12-07). One round trip at a time, for every leg that
+        asks. One that came back later than a heartbeat is an outage that ended (`back_within`):
+        the chunks held up in it come late."""
+        wait = self._settings().stream_heartbeat_s
+        until = time.monotonic() + 3 * wait
+        while True:
+            if self._probe is None or self._probe.done():
+                self._probe_at = time.monotonic()
+                self._probe = asyncio.ensure_future(nats_answers(self._nc, math.ceil(wait)))
+            probe, asked = self._probe, self._probe_at
+            await asyncio.wait([probe], timeout=max(until - time.monotonic(), 0.0))
+            if probe.done() and probe.result():
+                if time.monotonic() - asked > wait:
+                    self._nats_lost_at, self._nats_back_at = asked, time.monotonic()
+                return True
+            if time.monotonic() >= until:
+                return False
+            if probe.done():  # no connection to ask on: it may come back
+                await asyncio.sleep(_RECONNECT_POLL_S)
 
     @property
     def inflight_legs(self) -> int:

@@ -42,7 +42,7 @@ Silence in bulk: a hung NATS (SIGSTOP) stops every load report, and the router, 
 connection notices only at nats-py's next unanswered PING (5 s), read its fleet as `silent` and said
 so, its clients' 503s too (log-quality audit of 2026-12-07). So when more than half of the decode or
 agg workers are silent or unreachable (`mostly_silent`), RouterService first asks its own NATS
-connection for a round trip (`nats_answers`, NATS_PROBE_S at most) and passes a failed one to
+connection for a round trip (runtime.nats_flush.nats_answers, NATS_PROBE_S at most) and passes a failed one to
 `check`, whose lines for silent or unreachable workers then name NATS as the likely cause.
 
 Each check also keeps its figures by model, for /metrics (`routable`, `excluded`: a scrape reads
@@ -58,11 +58,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from nats.aio.client import Client
-
 from router.eligibility import DEFAULT_PERIOD_S, SILENT_PERIODS, Exclusion, WorkerStatus, name_few, taking_requests
 from router.request_path import RECENT_S
-from runtime.nats_flush import flush
 
 __all__ = [
     "BOOTSTRAP_GRACE_S",
@@ -72,7 +69,6 @@ __all__ = [
     "WINDOW_CHECKS",
     "FleetNews",
     "mostly_silent",
-    "nats_answers",
 ]
 
 log = logging.getLogger(__name__)
@@ -89,20 +85,6 @@ def mostly_silent(statuses: Iterable[WorkerStatus]) -> bool:
     """More than half of the decode and agg workers in `statuses` are silent or unreachable."""
     pool = [st for st in statuses if st.role != "prefill" and st.exclusion is not Exclusion.CONTEXT_CONFLICT]
     return 2 * sum(st.exclusion in _UNHEARD for st in pool) > len(pool)
-
-
-async def nats_answers(nc: Client, timeout_s: int = NATS_PROBE_S) -> bool:
-    """Whether `nc`'s server answers a PING within `timeout_s`: a hung one (stopped, or the network
-    to it dropping packets) leaves the connection up until nats-py's own PINGs go unanswered. A
-    connection down or reconnecting is no answer: nats-py's flush returns at once then, with no
-    round trip (a killed NATS, or a hung one once its PINGs dropped the connection, read as live)."""
-    if not nc.is_connected:
-        return False
-    try:
-        await flush(nc, timeout_s)
-    except Exception:  # timed out, or the connection is down or closed: no answer either way
-        return False
-    return True
 
 
 @dataclass(slots=True)
@@ -138,7 +120,7 @@ class FleetNews:
         """Say what began or ended since the last check, of the models in `statuses` (the workers
         /ready counts, as `Eligibility.statuses` reads them at monotonic `now`). `period_s`: the
         longest report period among them; `nats_unanswered`: the router's own NATS connection did
-        not answer a round trip just now (`nats_answers`)."""
+        not answer a round trip just now (runtime.nats_flush.nats_answers)."""
         self._nats_unanswered = nats_unanswered
         pools: dict[str, list[WorkerStatus]] = {}
         prefill: Counter[str] = Counter()

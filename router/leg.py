@@ -147,6 +147,7 @@ class LegOwner(Protocol):
     def awake_for(self) -> float: ...
     def is_connected(self) -> bool: ...
     async def connected(self) -> bool: ...
+    async def answers(self) -> bool: ...
     def back_within(self, window_s: float, since: float | None = None) -> bool: ...
     @property
     def buffers(self) -> ClientBuffers: ...  # the replica's bytes held for clients: a stream's queue counts
@@ -327,6 +328,8 @@ class Leg:
                     if self._heard_from() and self.resumes < MAX_RESUMES:
                         await self._resume()
                         continue
+                    if await self._through_hang(silence_s):
+                        continue
                     raise LegError(
                         self.worker,
                         503,
@@ -427,6 +430,18 @@ class Leg:
         if self._heard_from():
             await self._resume(counted=False)
         return True
+
+    async def _through_hang(self, silence_s: float) -> bool:
+        """Silence that a hung NATS explains, asked before the worker is blamed for it: the
+        connection stays up while the server does not answer (stopped, or behind a partition that
+        drops packets), and each leg in flight ended as worker_silent, its worker left out as
+        unreachable (replica audit of 2026-12-07). With no round trip answered within the wait a
+        dropped connection gets (Dispatcher.answers), the leg fails as a dropped one does; one
+        answered late is an outage that ended (`_through_outage`). True when the leg should wait
+        again."""
+        if not await self.owner.answers():
+            raise LegError(self.worker, 503, NATS_LOST, NATS_LOST_WHY, retryable=False, role=self.role)
+        return await self._through_outage(silence_s)
 
     def _heard_from(self) -> bool:
         """Whether silence now means chunks lost on the way rather than a dead worker: a stream's

@@ -70,7 +70,7 @@ from router.eligibility import (
 )
 from router.fingerprint_days import FingerprintDays
 from router.fleet_lines import NAMED_AT_MOST, FirstHeard, FirstSaid, FleetLines, FleetLog
-from router.fleet_news import CHECK_S, FleetNews, mostly_silent, nats_answers
+from router.fleet_news import CHECK_S, NATS_PROBE_S, FleetNews, mostly_silent
 from router.gap_repair import FailureKind
 from router.http_api import Drain, HttpLimits, make_app
 from router.ingest_stats import IngestStats
@@ -103,7 +103,7 @@ from runtime import RepeatedErrors, StopSteps, background, cancel_and_wait, ende
 from runtime.loop_watch import LoopWatch
 from runtime.nats_connect import connect as nats_connect
 from runtime.nats_connect import error_reporter, refused_subscriptions
-from runtime.nats_flush import flush
+from runtime.nats_flush import flush, nats_answers
 from runtime.turns import Turns
 
 __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
@@ -1141,7 +1141,7 @@ class RouterService:
                 statuses = self._statuses(counted)
                 # Workers silent in bulk may be NATS hung under this router: ask it before saying so.
                 nc = self._load_nc or self._nc
-                unanswered = mostly_silent(statuses) and nc is not None and not await nats_answers(nc)
+                unanswered = mostly_silent(statuses) and nc is not None and not await nats_answers(nc, NATS_PROBE_S)
                 self.eligibility.nats_unanswered = unanswered  # a silent worker's why says it (a 503's)
                 self.fleet_news.check(statuses, time.monotonic(), longest, nats_unanswered=unanswered)
 

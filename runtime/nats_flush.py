@@ -22,7 +22,7 @@ import asyncio
 from nats.aio.client import Client
 from nats.errors import FlushTimeoutError
 
-__all__ = ["flush", "write_queued"]
+__all__ = ["flush", "nats_answers", "write_queued"]
 
 
 async def flush(nc: Client, timeout: int = 10) -> None:
@@ -33,6 +33,20 @@ async def flush(nc: Client, timeout: int = 10) -> None:
     # A cancelled caller leaves its outcome to nobody: retrieved here, not logged as never retrieved.
     flushing.add_done_callback(lambda t: t.cancelled() or t.exception())
     await asyncio.shield(flushing)
+
+
+async def nats_answers(nc: Client, timeout_s: int) -> bool:
+    """Whether `nc`'s server answers a PING within `timeout_s`: a hung one (stopped, or the network
+    to it dropping packets) leaves the connection up until nats-py's own PINGs go unanswered. A
+    connection down or reconnecting is no answer: nats-py's flush returns at once then, with no
+    round trip (a killed NATS, or a hung one once its PINGs dropped the connection, read as live)."""
+    if not nc.is_connected:
+        return False
+    try:
+        await flush(nc, timeout_s)
+    except Exception:  # timed out, or the connection is down or closed: no answer either way
+        return False
+    return True
 
 
 async def write_queued(nc: Client, timeout: float = 10) -> None:

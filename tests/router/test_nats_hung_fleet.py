@@ -13,7 +13,7 @@ import nats
 import pytest
 
 from kvswitch.servers import NatsServer
-from router.fleet_news import nats_answers
+from runtime.nats_flush import nats_answers
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
 from tests.runtime.frozen import frozen
@@ -30,11 +30,11 @@ async def test_a_frozen_nats_server_does_not_answer_the_probe_and_a_live_one_doe
         pid = server.proc.pid
         nc = await nats.connect(server.url)
         try:
-            assert await nats_answers(nc)
+            assert await nats_answers(nc, 1)
             with frozen(pid):
                 await until(lambda: _stopped(pid), what="nats-server stopped")  # SIGSTOP lands late
-                assert not await nats_answers(nc)
-            assert await nats_answers(nc)  # the late PONG did not break the connection's reading
+                assert not await nats_answers(nc, 1)
+            assert await nats_answers(nc, 1)  # the late PONG did not break the connection's reading
         finally:
             await nc.close()
 
@@ -49,13 +49,13 @@ async def test_a_connection_down_or_reconnecting_is_no_answer() -> None:
         try:
             with frozen(pid):
                 await until(lambda: not nc.is_connected, timeout=8.0, what="the stale connection dropped")
-                assert not await nats_answers(nc)
+                assert not await nats_answers(nc, 1)
             await until(lambda: nc.is_connected, what="reconnected")
-            assert await nats_answers(nc)
+            assert await nats_answers(nc, 1)
             server.proc.kill()
             server.proc.wait()
             await until(lambda: not nc.is_connected, what="the connection lost")
-            assert not await nats_answers(nc)
+            assert not await nats_answers(nc, 1)
         finally:
             await nc.close()
 

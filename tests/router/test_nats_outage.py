@@ -8,7 +8,9 @@ the request was retried or fell back across the fleet into the same dead connect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 
 import aiohttp
 import nats
@@ -21,6 +23,7 @@ from protocol import GenerateRequest
 from protocol.config import RouterSettings
 from router.disagg import RoutePlan
 from router.dispatch import Dispatcher
+from router.eligibility import Eligibility
 from router.policies import Outcome, Path
 from tests.relay import Relay
 from tests.router.builders import cand, ctx
@@ -28,6 +31,7 @@ from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
 from tests.router.test_dispatch import HB, Books, answer, job
 from tests.router.test_dispatch import Worker as DispatchWorker
+from tests.runtime.frozen import frozen
 
 
 @pytest.fixture
@@ -164,3 +168,100 @@ async def test_a_nats_blip_long_reconnected_does_not_excuse_a_dead_worker(own_na
         await d.stop()
         await nc.close()
         await workers_nc.close()
+
+
+async def test_a_stream_in_flight_through_a_hung_nats_fails_as_the_routers_outage_blaming_no_worker(
+    cluster: Cluster, http: aiohttp.ClientSession, own_nats: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-server stopped (SIGSTOP: its connections stay up and nothing answers) under a stream:
+    the leg went silent, and it failed as the worker's fault (a 502, "worker_silent"), the worker
+    left out as unreachable on every replica (replica audit of 2026-12-07). Now the router asks its
+    own NATS for a round trip first, and fails the leg as a dropped connection does."""
+    marked: list[str] = []
+    mark = Eligibility.mark_unreachable
+
+    def spy(self: Eligibility, worker: str, why: str) -> None:
+        marked.append(worker)
+        mark(self, worker, why)
+
+    monkeypatch.setattr(Eligibility, "mark_unreachable", spy)
+    await cluster.add_worker("agg", speedup=2.0)
+    router = await cluster.add_router(disagg="never", stream_heartbeat_s=0.2)
+    await cluster.ready(router)
+    assert own_nats.proc is not None
+    body = {"model": MODEL, "prompt": list(range(40)), "max_tokens": 4000, "stream": True}
+    events: list[str] = []
+    with contextlib.ExitStack() as hung:
+        async with http.post(router.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                text = line.decode().strip()
+                if not text.startswith("data: "):
+                    continue
+                events.append(text.removeprefix("data: "))
+                if len(events) == 3:
+                    hung.enter_context(frozen(own_nats.proc.pid))  # well within nats-py's PINGs (5 s)
+    errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
+    assert errors and errors[0]["code"] == 503, events[-3:]
+    assert errors[0]["message"] == (
+        "the router has lost its NATS connection and is reconnecting: no worker can be reached"
+    )
+    assert router.dispatcher.retries == 0 and marked == []
+    await until(lambda: router.readiness()[0], what="the router ready again")
+
+
+async def test_a_stream_through_a_nats_hung_for_less_than_the_wait_goes_on(
+    cluster: Cluster, http: aiohttp.ClientSession, own_nats: NatsServer
+) -> None:
+    """Back within the wait a dropped connection gets (three heartbeats), a hung NATS held the
+    worker's chunks up, lost none: the stream goes on, as through a reconnect."""
+    await cluster.add_worker("agg", speedup=2.0)
+    router = await cluster.add_router(disagg="never", stream_heartbeat_s=0.2)
+    await cluster.ready(router)
+    assert own_nats.proc is not None
+    body = {"model": MODEL, "prompt": list(range(40)), "max_tokens": 4000, "stream": True}
+    events: list[str] = []
+    async with http.post(router.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            text = line.decode().strip()
+            if not text.startswith("data: "):
+                continue
+            events.append(text.removeprefix("data: "))
+            if len(events) == 3:
+                with frozen(own_nats.proc.pid):  # past the leg's silence (0.6 s), within its wait after
+                    await asyncio.sleep(0.9)
+            if len(events) == 30:
+                break
+    assert len(events) == 30 and not [e for e in events if e.startswith('{"error"')], events[-3:]
+    assert router.dispatcher.retries == 0
+
+
+async def test_a_nats_that_answers_late_is_an_outage_that_ended_and_one_that_does_not_is_no_answer(
+    own_nats: NatsServer,
+) -> None:
+    """Dispatcher.answers, asked as a leg's worker would be blamed: a server hung past the wait is
+    no answer (the leg fails as the router's outage); one that answers after more than a heartbeat
+    was an outage that ended, which buys the leg one more window as a reconnect does."""
+    assert own_nats.proc is not None
+    nc = await nats.connect(own_nats.url)
+    d = Dispatcher(nc, "ns1", Books(), settings=lambda: RouterSettings(stream_heartbeat_s=HB))
+    try:
+        assert await d.answers() and d.lost_at is None  # a live server: no outage
+        pid = own_nats.proc.pid
+        with frozen(pid):
+            assert not await d.answers()  # hung for all of the wait (3 heartbeats)
+        assert await d.answers()  # its round trip answered once the server went on
+        heard_at = time.monotonic()
+
+        async def thaw() -> None:
+            with frozen(pid):
+                await asyncio.sleep(1.5 * HB)
+
+        thawing = asyncio.create_task(thaw())
+        await asyncio.sleep(0)  # stopped before it is asked
+        assert await d.answers()
+        await thawing
+        assert d.lost_at is not None and d.back_within(3 * HB, since=heard_at)
+    finally:
+        await nc.close()
