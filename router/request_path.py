@@ -33,7 +33,7 @@ from router.request_context import RequestContext, RequestShape
 from router.tracing import RequestTracer
 from router.worker_registry import engines_serving
 
-__all__ = ["NO_WORKER_RETRY_S", "RECENT_S", "RequestPath", "Unknown", "refused_records"]
+__all__ = ["NO_WORKER_RETRY_S", "RECENT_S", "RequestPath", "Unknown", "refused_records", "starting"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,12 @@ log = logging.getLogger(__name__)
 RECENT_S = 600.0
 _RECENT_MAX = 256  # names remembered; the oldest goes first
 NO_WORKER_RETRY_S = 5  # Retry-After: a shim that restarts registers again within seconds
+
+
+def starting(waiting: str) -> str:
+    """What a request is told while the router starts (router.start_door, then RequestPath until
+    it has read its workers), `waiting` for what ("" for nothing in particular)."""
+    return f"the router is starting: {waiting}" if waiting else "the router is starting"
 
 
 class Unknown(LookupError):
@@ -82,6 +88,9 @@ class RequestPath:
     # when a worker serving a name (model, alias, adapter) last left (time.monotonic; None: none did)
     left_at: Callable[[str], float | None] = lambda _name: None
     request_timeout_s: float = 600.0
+    # what the router still waits for before it can tell which names its workers serve ("" once it
+    # can): the first read of the workers from etcd
+    waiting: Callable[[], str] = lambda: ""
     inflight: int = 0  # requests admitted whose answers are not written yet (serving)
     calls: int = 0  # utility calls so far: the next one starts at the next worker
     clock: Callable[[], float] = time.monotonic
@@ -98,7 +107,10 @@ class RequestPath:
         none gets the router's --model, else the one model registered, as vLLM serves it with its
         own; with several it is a 400 naming them. The --model, or a name resolved within RECENT_S
         whose model no worker serves now, is a 503 with Retry-After: its workers left, and may be
-        back."""
+        back. Before the first read of the workers, a 503 saying so, as the start door says it: none
+        read is no namespace mistake, nor a name none serves."""
+        if waiting := self.waiting():
+            raise Unknown(503, f"{starting(waiting)}: send the request again", retry_after_s=1)
         name = model or self.default_model
         if name is None:
             models = list(self.models())
@@ -138,8 +150,11 @@ class RequestPath:
         a vLLM engine, so that the router may refuse what vLLM's model validators refuse
         (request_parsing.parse_request): the workers serving that name (or the --model), else, for
         no name or one none serves, the whole fleet. True with no worker: it answers as vLLM. False
-        where resolve_model answers 503 (the --model, or a name served lately, with no worker now):
-        the workers that come back may be of any engine, and a 400 would end a client's retries."""
+        where resolve_model answers 503 (the workers not read yet, the --model, or a name served
+        lately, with no worker now): the workers that come (back) may be of any engine, and a 400
+        would end a client's retries."""
+        if self.waiting():
+            return False
         named = name if isinstance(name, str) and name else self.default_model
         theirs = self._engines(named) if named is not None else frozenset()
         if not theirs:

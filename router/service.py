@@ -541,6 +541,7 @@ class RouterService:
             refused=self._refused,
             left_at=self._left_at,
             request_timeout_s=self.config.request_timeout_s,
+            waiting=lambda: "" if self._registry_ready else "reading workers from etcd",
         )
         self._load_subs = SenderSubscriptions(
             self._load_nc,

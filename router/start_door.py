@@ -40,6 +40,7 @@ from router.api_errors import ApiError, FrontDoorRunner, json_response, openai_e
 from router.client_connections import ClientConnections
 from router.expectations import ExpectRoutes
 from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.request_path import starting
 from runtime.fd_limit import fd_limit
 
 __all__ = ["StartDoor"]
@@ -198,8 +199,7 @@ class StartDoor:
             await runner.cleanup()
 
     def _starting(self) -> str:
-        waiting = self._waiting()
-        return f"the router is starting: {waiting}" if waiting else "the router is starting"
+        return starting(self._waiting())
 
     async def _on_health(self, _request: web.Request) -> web.Response:
         return json_response(self._health())

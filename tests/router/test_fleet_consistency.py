@@ -13,7 +13,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVarTuple
@@ -23,7 +23,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from discovery import Discovery
+from discovery import Discovery, WatchEvent
 from engine_sim.lora import LoraModule
 from protocol import RouterInfo, WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings, RouterSettings
@@ -335,6 +335,42 @@ async def test_a_router_that_sees_no_worker_names_its_namespace_and_the_key_it_w
     status, body = await _ask(http, router, MODEL)
     assert status == 404
     assert f"/{cluster.ns}/workers/" in body["error"]["message"] and "--namespace" in body["error"]["message"]
+
+
+async def test_a_router_that_has_not_read_its_workers_yet_says_it_is_starting_not_that_none_is_registered(
+    cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before its first read of the workers a router answered "no worker serves the model ...
+    # Registered: none (no worker is registered under /kvswitch/workers/: this router's --namespace
+    # is kvswitch)" while /ready said it was starting and the workers were there (replica audit of
+    # 2026-12-07): a namespace mistake that was none.
+    read = asyncio.Event()
+    watch_workers = Discovery.watch_workers
+
+    async def held(self: Discovery, health: Any = None) -> AsyncGenerator[WatchEvent[WorkerInfo]]:
+        await read.wait()  # etcd's first answer, late
+        async for event in watch_workers(self, health):
+            yield event
+
+    monkeypatch.setattr(Discovery, "watch_workers", held)
+    await cluster.add_worker("agg")
+    starting = "the router is starting: reading workers from etcd: send the request again"
+    for router in (await cluster.add_router(), await cluster.add_router(config={"model": MODEL})):
+        status, ready = await _get(http, router, "/ready")
+        assert status == 503 and any("has not been read from etcd yet" in p for p in ready["problems"])
+        for model in (MODEL, "another-model"):
+            async with http.post(
+                router.url + "/v1/completions", json={"model": model, "prompt": [1, 2, 3], "max_tokens": 2}
+            ) as resp:
+                assert (resp.status, (await resp.json())["error"]["message"]) == (503, starting)
+                assert resp.headers["Retry-After"] == "1"
+        async with http.post(router.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}) as resp:
+            assert (resp.status, (await resp.json())["error"]["message"]) == (503, starting)
+    read.set()
+    for router in cluster.routers:
+        await cluster.ready(router)
+        status, body = await _ask(http, router, MODEL)
+        assert status == 200, body
 
 
 # --- F5: a model with prefill workers only ------------------------------------------------------------------

@@ -187,6 +187,8 @@ async def test_a_connection_opened_while_the_router_starts_is_answered_by_the_ro
         await asyncio.to_thread(nats.start)
         async with asyncio.timeout(30):
             await start
+        # the workers read (none): before that the router's app says it is starting, as the door did
+        await until(lambda: not [p for p in router.readiness()[1]["problems"] if "not been read" in p])
         body = b'{"model":"' + MODEL.encode() + b'","prompt":"hello","max_tokens":2}'
         post = b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
         post += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
