@@ -649,6 +649,12 @@ class RouterInfo(_Msg, kw_only=True):
     # chat flags it renders with (router.peer_settings.rendering_digest), compared as settings_digest
     # is. "" from a router that predates it (2026-12-07).
     rendering_digest: str = ""
+    # What each digest is of, each value as its JSON text (router.peer_settings.settings_fields and
+    # rendering_fields): a peer names the settings that differ and both values, where the digests
+    # alone left an operator to guess which flag to fix. Empty from a router that predates them
+    # (2026-12-07).
+    settings: dict[str, str] = msgspec.field(default_factory=dict)
+    rendering: dict[str, str] = msgspec.field(default_factory=dict)
     # A random id of the router process, kept when it registers anew under another id (a lost
     # lease): its legs carry it (GenerateRequest.origin). "" from a router that predates it.
     instance: str = ""

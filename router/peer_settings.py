@@ -12,7 +12,9 @@ another path render alike) and vLLM's chat flags the router renders with: a repl
 `--exclude-tools-when-tool-choice-none` routes `tool_choice: "none"` chats on other ids, and no
 engine probe can show that flag, so a peer is the only one that can. A peer whose digests or
 version differ from ours for `settle_s` is a WARNING once (naming the peer, which digest or the
-version, and both values), a /ready warning and a gauge, until it agrees again (an INFO). The
+version, and both values; and each setting that differs, by its flag, with both values, where the
+peer publishes what its digests are of: RouterInfo.settings and .rendering, since 2026-12-07), a
+/ready warning and a gauge, until it agrees again (an INFO). The
 wait keeps a live config change, which every replica applies and re-publishes within milliseconds
 of the others, from reading as a difference. A peer that publishes no digest (older than this) is
 compared by version only; one with no rendering digest (before 2026-12-07), by its settings
@@ -34,7 +36,7 @@ import msgspec
 from protocol import RouterInfo, subjects
 from protocol.config import RouterSettings
 
-__all__ = ["SETTLE_S", "PeerSettings", "rendering_digest", "settings_digest"]
+__all__ = ["SETTLE_S", "PeerSettings", "rendering_digest", "rendering_fields", "settings_digest", "settings_fields"]
 
 log = logging.getLogger(__name__)
 
@@ -42,31 +44,38 @@ SETTLE_S = 2.0
 """How long a peer must differ before it counts: replicas apply a live change within milliseconds."""
 
 
-def settings_digest(settings: RouterSettings, *, calibrated: bool = True) -> str:
-    """12 hex digits of a SHA-256 over the settings' JSON, keys sorted: equal settings give equal
-    digests in every process. `calibrated`: the process flag `--no-calibration` off; a replica that
-    prices workers by their profiles alone admits and chooses paths otherwise than one that fits
-    them (a forgotten KVSWITCH_NO_CALIBRATION was no difference a peer saw). Counted only when off,
-    so a calibrating replica's digest is what it was before."""
+def settings_fields(settings: RouterSettings, *, calibrated: bool = True) -> dict[str, str]:
+    """The settings a replica routes with, each as its JSON text: what `settings_digest` is of and
+    what RouterInfo.settings carries, for a peer to name the ones that differ. `calibrated`: the
+    process flag `--no-calibration` off; a replica that prices workers by their profiles alone
+    admits and chooses paths otherwise than one that fits them (a forgotten
+    KVSWITCH_NO_CALIBRATION was no difference a peer saw). Counted only when off, so a calibrating
+    replica's digest is what it was before."""
     fields = msgspec.to_builtins(settings)
     if not calibrated:
         fields["calibration"] = False
-    return _digest(fields)
+    return _texts(fields)
 
 
-def rendering_digest(
+def settings_digest(settings: RouterSettings, *, calibrated: bool = True) -> str:
+    """12 hex digits of a SHA-256 over the settings' JSON, keys sorted: equal settings give equal
+    digests in every process (`settings_fields`)."""
+    return _digest(settings_fields(settings, calibrated=calibrated))
+
+
+def rendering_fields(
     tokenizer: str,
     *,
     content_format: str = "auto",
     default_chat_template_kwargs: Mapping[str, Any] | None = None,
     exclude_tools_when_tool_choice_none: bool = False,
     trust_request_chat_template: bool = False,
-) -> str:
-    """12 hex digits of a SHA-256 over what turns a request into the ids it routes on: `tokenizer`
-    is the router's tokenizer's fingerprint with the template's clock pinned
-    (router.tokenization.rendering_fingerprint), the rest
-    vLLM's flags of those names as the router was given them. No kwargs and `{}` render alike."""
-    return _digest(
+) -> dict[str, str]:
+    """What turns a request into the ids it routes on, each as its JSON text (RouterInfo.rendering):
+    `tokenizer` is the router's tokenizer's fingerprint with the template's clock pinned
+    (router.tokenization.rendering_fingerprint), the rest vLLM's flags of those names as the router
+    was given them. No kwargs and `{}` render alike."""
+    return _texts(
         {
             "tokenizer": tokenizer,
             "chat_template_content_format": content_format,
@@ -77,8 +86,20 @@ def rendering_digest(
     )
 
 
-def _digest(fields: Mapping[str, Any]) -> str:
-    return hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()[:12]
+def rendering_digest(tokenizer: str, **flags: Any) -> str:
+    """12 hex digits of a SHA-256 over `rendering_fields`, as `settings_digest`."""
+    return _digest(rendering_fields(tokenizer, **flags))
+
+
+def _texts(fields: Mapping[str, Any]) -> dict[str, str]:
+    return {name: msgspec.json.encode(value, order="sorted").decode() for name, value in fields.items()}
+
+
+def _digest(texts: Mapping[str, str]) -> str:
+    # Of the values, not their texts: the digest a router published before RouterInfo.settings
+    return hashlib.sha256(
+        msgspec.json.encode({k: msgspec.json.decode(v) for k, v in texts.items()}, order="sorted")
+    ).hexdigest()[:12]
 
 
 class _Diff(msgspec.Struct, frozen=True):
@@ -96,12 +117,17 @@ class PeerSettings:
         version: str,
         *,
         rendering: str = "",
+        settings: Mapping[str, str] | None = None,
+        rendering_flags: Mapping[str, str] | None = None,
         settle_s: float = SETTLE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config_key = subjects.config_key(ns)
         self.digest = digest
         self.rendering = rendering  # fixed for the process: no live config changes it
+        # what the digests are of (settings_fields, rendering_fields), published for peers to name
+        self.settings = dict(settings or {})
+        self.rendering_flags = dict(rendering_flags or {})
         self.version = version
         self.settle_s = settle_s
         self._clock = clock
@@ -111,10 +137,11 @@ class PeerSettings:
 
     # --- what changes ----------------------------------------------------------------------------
 
-    def mine(self, digest: str) -> None:
-        """Our own settings changed (live config)."""
+    def mine(self, digest: str, settings: Mapping[str, str] | None = None) -> None:
+        """Our own settings changed (live config): their digest, and what it is of."""
         if digest != self.digest:
             self.digest = digest
+            self.settings = dict(settings or {})
             for peer in list(self._peers):
                 self._review(peer)
 
@@ -193,13 +220,19 @@ class PeerSettings:
             return None
         said = []
         if settings:
-            said.append(f"routing settings digest {info.settings_digest} (this router's {self.digest})")
-        if rendering:
             said.append(
-                f"chat rendering digest {info.rendering_digest} (this router's {self.rendering}: its tokenizer's "
-                "fingerprint, --chat-template-content-format, --default-chat-template-kwargs, "
-                "--exclude-tools-when-tool-choice-none and --trust-request-chat-template)"
+                f"routing settings digest {info.settings_digest} (this router's {self.digest})"
+                + _named(info.settings, self.settings)
             )
+        if rendering:
+            # what the digest covers, where the peer does not say which of it differs
+            covers = (
+                ": its tokenizer's fingerprint, --chat-template-content-format, --default-chat-template-kwargs, "
+                "--exclude-tools-when-tool-choice-none and --trust-request-chat-template"
+            )
+            named = _named(info.rendering, self.rendering_flags)
+            mine = f"{self.rendering}{'' if named else covers}"
+            said.append(f"chat rendering digest {info.rendering_digest} (this router's {mine}){named}")
         if version:
             said.append(f"version {info.version or 'unknown'} (this router's {self.version})")
         text = (
@@ -209,3 +242,25 @@ class PeerSettings:
             "and the same release"
         )
         return _Diff(settings, rendering, version, text)
+
+
+def _named(theirs: Mapping[str, str], ours: Mapping[str, str]) -> str:
+    """The settings a peer's differ in, each with its flag and both values ("" from a peer that
+    publishes none, older than RouterInfo.settings, or when we publish none)."""
+    if not theirs or not ours:
+        return ""
+    differ = [
+        f"{_flag(name)} {theirs.get(name, 'unset')} (this router's {ours.get(name, 'unset')})"
+        for name in sorted(theirs.keys() | ours.keys())
+        if theirs.get(name) != ours.get(name)
+    ]
+    return f", set otherwise: {', '.join(differ)}" if differ else ""
+
+
+def _flag(name: str) -> str:
+    """A setting's flag (router.cli: each RouterSettings field is one of its name)."""
+    if name == "calibration":
+        return "--no-calibration (calibration)"
+    if name == "tokenizer":
+        return "the tokenizer's fingerprint"
+    return "--" + name.replace("_", "-")

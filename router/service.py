@@ -78,7 +78,7 @@ from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
 from router.ledger import Ledger
 from router.load_view import MAX_CLOCK_SKEW_S, LoadView
 from router.metrics import RouterMetrics, StateFigures
-from router.peer_settings import PeerSettings, rendering_digest, settings_digest
+from router.peer_settings import PeerSettings, rendering_digest, rendering_fields, settings_digest, settings_fields
 from router.pending_prefixes import PendingPrefixes
 from router.planner import Planner
 from router.replica_sync import SYNC_SNAPSHOT_S, ReplicaSync, SyncStats
@@ -233,15 +233,20 @@ class RouterService:
         self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.monotonic)
         self.metrics = RouterMetrics(self._figures)
         calibrated = self.calibration is not None
-        rendering = rendering_digest(
-            rendering_fingerprint(self.tokenizer),  # not `mine`: that one follows the calendar
-            content_format=config.chat_template_content_format,
-            default_chat_template_kwargs=config.default_chat_template_kwargs,
-            exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
-            trust_request_chat_template=config.trust_request_chat_template,
-        )
+        fingerprint = rendering_fingerprint(self.tokenizer)  # not `mine`: that one follows the calendar
+        flags: dict[str, Any] = {
+            "content_format": config.chat_template_content_format,
+            "default_chat_template_kwargs": config.default_chat_template_kwargs,
+            "exclude_tools_when_tool_choice_none": config.exclude_tools_when_tool_choice_none,
+            "trust_request_chat_template": config.trust_request_chat_template,
+        }
         self.peer_settings = PeerSettings(
-            self.ns, settings_digest(self.settings, calibrated=calibrated), BUILD, rendering=rendering
+            self.ns,
+            settings_digest(self.settings, calibrated=calibrated),
+            BUILD,
+            rendering=rendering_digest(fingerprint, **flags),
+            settings=settings_fields(self.settings, calibrated=calibrated),
+            rendering_flags=rendering_fields(fingerprint, **flags),
         )
         self.worker_versions = WorkerVersions(BUILD, fleet_log=self.fleet_log)
         self.tracer = RequestTracer(config.tracer_provider)
@@ -587,6 +592,8 @@ class RouterService:
                 version=BUILD,
                 settings_digest=self.peer_settings.digest,
                 rendering_digest=self.peer_settings.rendering,
+                settings=self.peer_settings.settings,
+                rendering=self.peer_settings.rendering_flags,
                 instance=self.instance,
             ),
             ttl=self.config.lease_ttl_s,
@@ -1413,9 +1420,10 @@ class RouterService:
                 continue
             self.settings = settings
             log.info("live config applied: %s", msgspec.to_builtins(settings))
-            digest = settings_digest(settings, calibrated=self.calibration is not None)
+            calibrated = self.calibration is not None
+            digest = settings_digest(settings, calibrated=calibrated)
             if digest != self.peer_settings.digest:  # peers compare theirs with it
-                self.peer_settings.mine(digest)
+                self.peer_settings.mine(digest, settings_fields(settings, calibrated=calibrated))
                 if self._registration is not None:
                     self._registration.update()
 

@@ -29,7 +29,7 @@ from protocol import RouterInfo, WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings, RouterSettings
 from protocol.version import BUILD, __version__
 from router import tokenization
-from router.peer_settings import SETTLE_S, PeerSettings, rendering_digest, settings_digest
+from router.peer_settings import SETTLE_S, PeerSettings, rendering_digest, settings_digest, settings_fields
 from router.service import RouterConfig, RouterService
 from router.tokenization import ChatOptions, load_tokenizer, tokenizer_fingerprint
 from tests.router.conftest import MODEL, Cluster, complete
@@ -477,6 +477,9 @@ async def test_replicas_with_different_settings_or_versions_warn_until_they_agre
 
     await until(lambda: differs(kv, rr) and differs(rr, kv), what="each replica to warn about the other")
     assert kv.peer_settings.digest != rr.peer_settings.digest
+    # Which flag, with both values: the digests alone left the operator to guess (audit, 2026-12-07)
+    (about_rr,) = [w for w in kv.readiness()[1]["warnings"] if rr.router_id in w]
+    assert 'set otherwise: --routing "round_robin" (this router\'s "kv")' in about_rr, about_rr
     assert _gauge(kv, "kvswitch_router_peer_settings_mismatch") == {rr.router_id: 1.0}
 
     def warned() -> list[str]:
@@ -562,6 +565,9 @@ async def test_a_replica_that_renders_chats_otherwise_is_warned_naming_the_rende
     assert len(about_odd()) == 2  # once by each peer
     assert all(odd.peer_settings.rendering in m and a.peer_settings.rendering in m for m in about_odd())
     assert all("routing settings digest" not in m and "the same tokenizer files" in m for m in about_odd())
+    assert all(
+        "set otherwise: --exclude-tools-when-tool-choice-none true (this router's false)" in m for m in about_odd()
+    )
 
 
 async def test_a_worker_of_another_build_is_warned_once_and_counted_while_registered(
@@ -745,6 +751,32 @@ def test_a_peer_of_another_rendering_digest_is_named_for_it_and_one_without_one_
 
 
 _Ts = TypeVarTuple("_Ts")
+
+
+def test_a_peer_is_told_by_the_flags_it_sets_otherwise_and_one_that_publishes_none_by_its_digest() -> None:
+    now = [0.0]
+    mine = RouterSettings()
+    other = RouterSettings(routing="round_robin", temperature=0.3)
+    peers = PeerSettings(
+        "ns", settings_digest(mine), "0.1.0", settings=settings_fields(mine), settle_s=2.0, clock=lambda: now[0]
+    )
+
+    def info(fields: dict[str, str]) -> RouterInfo:
+        digest = settings_digest(other, calibrated=False)
+        return RouterInfo(
+            router="p", http_url="", started_at=0.0, version="0.1.0", settings_digest=digest, settings=fields
+        )
+
+    peers.seen("p", info(settings_fields(other, calibrated=False)))
+    now[0] = 2.0
+    (warning,) = peers.warnings()
+    assert (
+        'set otherwise: --no-calibration (calibration) false (this router\'s unset), --routing "round_robin" '
+        "(this router's \"kv\"), --temperature 0.3 (this router's " + settings_fields(mine)["temperature"] + ")"
+    ) in warning, warning
+    peers.seen("p", info({}))  # a router before RouterInfo.settings: its digest alone
+    (warning,) = peers.warnings()
+    assert "set otherwise" not in warning and settings_digest(other, calibrated=False) in warning
 
 
 class _EarlyTimers(asyncio.SelectorEventLoop):
