@@ -366,13 +366,14 @@ KV_EVENTS_ADVERTISED = {"publisher": "zmq", "endpoint_host": "*", "endpoint_port
 def test_decode_context_parallelism_registers_the_width_sglangs_events_come_at(advertised: Any) -> None:
     """--dcp-size 2 with page_size 16: SGLang pages its radix tree, and sends its events, 32 tokens
     wide (arg_groups/overrides.py kv_event_block_size_of). Until 2026-12-07 the shim registered 16,
-    and the normaliser dropped every event as malformed. The pool holds max_total_num_tokens per
-    DCP rank's share (the scheduler widens it by dcp_size): the same blocks of 32 as of 16."""
+    and the normaliser dropped every event as malformed. SGLang's max_total_num_tokens is in
+    logical tokens already (ModelRunner.logical_max_total_num_tokens, widened by dcp_size): the
+    capacity is that many tokens in blocks of 32, not dcp_size times it."""
     info = {**json.loads((FIX / "get_server_info.json").read_text()), "page_size": 16, "dcp_size": 2}
     if advertised != "absent":
         info["kv_events"] = advertised
     lim = limits_from_server_info(info)
-    assert (lim.block_size, lim.kv_total_blocks) == (32, 401408 * 2 // 32)
+    assert (lim.block_size, lim.kv_total_blocks) == (32, 401408 // 32)
     assert lim.block_size is not None
     norm = Normaliser(lim.block_size)
     tokens = list(range(100, 132))

@@ -28,9 +28,9 @@
   mode is read from `/model_info` (else `/get_model_info`), and an engine that reports it nowhere
   is refused.
 - Limits from the server info: the event block size (`kv_events.block_size`, else `page_size`
-  times `dcp_size`), `max_total_num_tokens` (capacity in tokens, rank 0's and one DCP rank's:
-  times `dp_size` and `dcp_size` for the server's), `chunked_prefill_size` (the per-step prefill
-  budget). Load from /metrics: `sglang:num_running_reqs`, `sglang:num_queue_reqs` (each summed
+  times `dcp_size`), `max_total_num_tokens` (capacity in tokens, rank 0's: times `dp_size` for the
+  server's; in logical tokens, DCP's widening counted already), `chunked_prefill_size` (the
+  per-step prefill budget). Load from /metrics: `sglang:num_running_reqs`, `sglang:num_queue_reqs` (each summed
   over the DP ranks, one TP rank's series each: _first_tp_rank), and KV use as
   `sglang:num_used_tokens` over `max_total_num_tokens`. SGLang rounds its own
   `sglang:token_usage` to two decimals: 1% of an H200's pool is thousands of tokens, so one long
@@ -164,13 +164,14 @@ def limits_from_server_info(info: dict[str, Any], path: str = SERVER_INFO_PATHS[
     # max_total_num_tokens is rank 0's pool; each data-parallel rank has one of its own, and the load
     # (running, waiting, the mean KV use) is the whole server's, so the capacity is too.
     ranks = dp_ranks(info, path)
-    # Under decode context parallelism each of dcp_size ranks holds a share of every token: the pool
-    # holds max_total_num_tokens * dcp_size tokens (the scheduler's kv_shard_widening).
+    # Under decode context parallelism SGLang reports max_total_num_tokens in logical tokens already
+    # (ModelRunner.logical_max_total_num_tokens: the per-rank rows times attn_dcp_size), so only the
+    # block widens.
     dcp = engine_limit(info.get("dcp_size"), f"{path} dcp_size") or 1
     block = _event_block_size(info, path, page, dcp)
     return EngineLimits(
         block_size=block,
-        kv_total_blocks=tokens * dcp // block * ranks if tokens is not None and block is not None else None,
+        kv_total_blocks=tokens // block * ranks if tokens is not None and block is not None else None,
         max_num_batched_tokens=budget if budget is not None and budget > 0 else None,
         prefix_caching=prefix_caching(info),
     )
