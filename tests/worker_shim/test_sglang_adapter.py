@@ -323,12 +323,14 @@ def test_limits_and_load() -> None:
     assert got.reused_tokens is None, "SGLang exports no reuse counter: the shim's credit check stays off"
 
 
-def _all_schedulers(ranks: list[tuple[int, int | None]], running: list[int], used: list[int]) -> str:
+def _all_schedulers(
+    ranks: list[tuple[int, int | None]], running: list[int], used: list[int], pp: list[int] | None = None
+) -> str:
     """/metrics of SGLang 0.5.23 with --enable-metrics-for-all-schedulers: each scheduler's gauges
-    under its own tp_rank (and dp_rank with DP attention; observability/metrics_collector.py)."""
+    under its own tp_rank and pp_rank (and dp_rank with DP attention; observability/metrics_collector.py)."""
     lines = []
-    for (tp, dp), run, kv in zip(ranks, running, used, strict=True):
-        labels = f'engine_type="unified",model_name="m",moe_ep_rank="{tp}",pp_rank="0",tp_rank="{tp}"'
+    for (tp, dp), run, kv, stage in zip(ranks, running, used, pp or [0] * len(ranks), strict=True):
+        labels = f'engine_type="unified",model_name="m",moe_ep_rank="{tp}",pp_rank="{stage}",tp_rank="{tp}"'
         if dp is not None:
             labels += f',dp_rank="{dp}"'
         lines += [
@@ -353,6 +355,25 @@ def test_under_dp_attention_each_dp_ranks_first_tp_rank_counts() -> None:
     text = _all_schedulers([(0, 0), (1, 0), (2, 1), (3, 1)], [5, 5, 7, 7], [1000, 1000, 3000, 3000])
     load = load_from_metrics(text, 500, 4000)
     assert (load.running, load.waiting, load.kv_usage) == (12, 2, 0.25)  # the mean gauge: two DP ranks
+
+
+@pytest.mark.parametrize(
+    ("ranks", "pp"),
+    [([(0, None), (0, None)], [1, 0]), ([(1, None), (0, None), (1, None), (0, None)], [1, 1, 0, 0])],
+    ids=["default", "all-schedulers"],
+)
+def test_each_pipeline_stage_exports_the_same_reading_and_the_first_counts(
+    ranks: list[tuple[int, int | None]], pp: list[int]
+) -> None:
+    """PP 2, TP 2: by default each stage's attention-TP rank 0 exports (metrics_collector.py), and
+    tp_rank starts at 0 again in each stage (data_parallel_controller.py); a stage runs the same
+    requests and holds its own layers' KV for the same tokens. Until 2026-12-07 the stages were
+    summed: the load read pp_size times what it was, and the exact KV use fell back to the rounded
+    gauge. pp_rank 0 counts (the later stage trails here by one request)."""
+    running = [6 if stage else 5 for stage in pp]
+    text = _all_schedulers(ranks, running, [1234] * len(ranks), pp)
+    load = load_from_metrics(text, 250, 4000)
+    assert (load.running, load.waiting, load.kv_usage) == (5, 1, 1234 / 4000)
 
 
 # SGLang 0.5.23's /server_info `kv_events` (runtime_context.describe_kv_events_publisher): null for

@@ -31,7 +31,7 @@
   times `dcp_size`), `max_total_num_tokens` (capacity in tokens, rank 0's: times `dp_size` for the
   server's; in logical tokens, DCP's widening counted already), `chunked_prefill_size` (the
   per-step prefill budget). Load from /metrics: `sglang:num_running_reqs`, `sglang:num_queue_reqs` (each summed
-  over the DP ranks, one TP rank's series each: _first_tp_rank), and KV use as
+  over the DP ranks, one scheduler's series each: _first_rank), and KV use as
   `sglang:num_used_tokens` over `max_total_num_tokens`. SGLang rounds its own
   `sglang:token_usage` to two decimals: 1% of an H200's pool is thousands of tokens, so one long
   decode could leave it still for minutes (the stall watchdog would take the engine for hung) and
@@ -321,7 +321,7 @@ def load_from_metrics(text: str, kv_total_blocks: int | None, kv_total_tokens: i
     samples = list(parse_samples(text, _METRICS))
     if (twice := repeated_series(samples)) is not None:
         raise EngineError(502, "engine_protocol", twice)
-    samples = _first_tp_rank(samples)
+    samples = _first_rank(samples)
     running, waiting = sum_samples(samples, "sglang:num_running_reqs"), sum_samples(samples, "sglang:num_queue_reqs")
     if running is None and waiting is None:
         absent = ", ".join(n for n in _LOAD if sum_samples(samples, n) is None)
@@ -345,27 +345,32 @@ def load_from_metrics(text: str, kv_total_blocks: int | None, kv_total_tokens: i
     )
 
 
-def _first_tp_rank(samples: list[Sample]) -> list[Sample]:
-    """Each series of the lowest `tp_rank` among those of its name and `dp_rank`. By default one
-    scheduler per data-parallel rank exports (its attention-TP rank 0); with
-    --enable-metrics-for-all-schedulers every TP rank does (scheduler.py), each the same reading
-    under its own `tp_rank`, and summed they counted the load TP-size times (until 2026-12-07). Per
+def _first_rank(samples: list[Sample]) -> list[Sample]:
+    """Each series of the lowest `pp_rank`, then `tp_rank`, among those of its name and `dp_rank`.
+    By default one scheduler per data-parallel rank and pipeline stage exports (its attention-TP
+    rank 0, whatever its `pp_rank`: metrics_collector.py); with --enable-metrics-for-all-schedulers
+    every TP rank does (scheduler.py). Each reads the same: a stage runs the same requests and
+    holds its own layers' KV for the same tokens (the pool's size is the minimum over the stages),
+    and summed they counted the load TP-size times and pp_size times (until 2026-12-07). Per
     `dp_rank`: under DP attention each rank's exporter has a `tp_rank` of its own, not 0."""
-    lowest: dict[tuple[str, str | None], int] = {}
+    lowest: dict[tuple[str, str | None], tuple[int, int]] = {}
     for name, labels, _ in samples:
-        if (rank := _tp_rank(labels)) is not None:
+        if (rank := _rank(labels)) is not None:
             key = (name, labels.get("dp_rank"))
             lowest[key] = min(rank, lowest.get(key, rank))
     return [
         sample
         for sample in samples
-        if (rank := _tp_rank(sample[1])) is None or rank == lowest[(sample[0], sample[1].get("dp_rank"))]
+        if (rank := _rank(sample[1])) is None or rank == lowest[(sample[0], sample[1].get("dp_rank"))]
     ]
 
 
-def _tp_rank(labels: dict[str, str]) -> int | None:
-    rank = labels.get("tp_rank")
-    return int(rank) if rank is not None and rank.isdigit() else None
+def _rank(labels: dict[str, str]) -> tuple[int, int] | None:
+    """(pp_rank, tp_rank); a series without a pp_rank is stage 0's."""
+    tp, pp = labels.get("tp_rank"), labels.get("pp_rank", "0")
+    if tp is None or not tp.isdigit():
+        return None
+    return (int(pp) if pp.isdigit() else 0, int(tp))
 
 
 def generate_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str, Any]:
