@@ -758,7 +758,8 @@ async def test_a_streamed_refusal_is_the_400_its_unstreamed_answer_is(
 @pytest.mark.parametrize(
     ("before", "message", "status"),
     [
-        ([], "KV transfer failed for request rank=0 req.rid='r' bootstrap_room=7", 500),
+        # disaggregation/decode.py's f"{decode_req.req.rid=}": the expression's text names each value.
+        ([], "Decode transfer failed for request rank=0 decode_req.req.rid='r' decode_req.req.bootstrap_room=7", 500),
         ([11, 12], "Retracted under decode memory pressure without a KV backup. Retry later.", 503),
     ],
     ids=["transfer-500-before-tokens", "retracted-503-after-tokens"],
@@ -770,7 +771,8 @@ async def test_a_streamed_abort_with_an_engine_status_is_the_engines_error(
     `abort`, so the router never saw a failed KV transfer or an engine's 5xx as a fault."""
     url, answers, _ = streams
     events = [_event(before, None)] if before else []
-    answers.append([*events, _abort_event(before, message, status, "InternalServerError"), b"data: [DONE]\n\n"])
+    # SGLang's FINISH_ABORT for both carries no err_type (prepare_abort, retract_decode).
+    answers.append([*events, _abort_event(before, message, status, None), b"data: [DONE]\n\n"])
     err, seen = await _failing_generate(url, stream=True)
     assert (err.code, err.kind, err.message, err.body) == (status, "engine_error", message, b"")
     assert seen == ([before] if before else [])
