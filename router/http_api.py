@@ -845,6 +845,7 @@ class _Handlers:
         chunk = first
         failed: ApiError | None = None
         why = ""  # a worker's failure, said once at WARNING (a bug is said with its traceback)
+        refused = False  # the engine refused or turned away the request: said at INFO
         unread = False  # the client took nothing more before the deadline
         try:
             # The events one worker chunk carries go out in one write (one send, one drain).
@@ -861,6 +862,7 @@ class _Handlers:
         except LegError as exc:
             failed = leg_error(exc, streaming=True)
             why = "" if exc.slow_reader else _leg_failure(exc)  # that one the dispatcher said, at INFO
+            refused = exc.refused or exc.busy
         except StopAsyncIteration:
             failed = ApiError(502, "the worker ended the stream early")
             why = failed.message
@@ -880,7 +882,11 @@ class _Handlers:
         if failed is not None:
             if why:
                 rid = job.request.request_id
-                log.warning(
+                # An engine's refusal (SGLang's 400 for a sampling mask past its limit, after tokens)
+                # is the client's, as one before the first output is: INFO, no worker fault.
+                level = logging.INFO if refused else logging.WARNING
+                log.log(
+                    level,
                     "request %s: the stream failed after its first chunk (%s); the client got a %d error event",
                     rid,
                     why,

@@ -6,6 +6,7 @@ against the session's real NATS and etcd."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -70,6 +71,49 @@ async def test_a_stream_that_fails_after_its_first_token_counts_with_its_error_c
     assert [(r.name, r.levelno) for r in said] == [("router.http_api", logging.WARNING)], said
     assert "after its first chunk" in said[0].getMessage() and f"a {code} error event" in said[0].getMessage()
     assert said[0].__dict__["request_id"] == request_id
+
+
+class _Refuse(Exception):
+    pass
+
+
+async def test_an_engines_refusal_after_its_first_token_is_said_at_info_as_the_clients(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang 0.5.23 can refuse a request after tokens (a 400 abort: a sampling mask past
+    --sampling-mask-max-tokens, batch_result_processor.py). Until 2026-12-07 the router said it at
+    WARNING as a worker's failure; now at INFO, as a refusal before the first output is."""
+    worker = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    generate = worker.shim.adapter.generate
+    why = "Sampling support exceeds --sampling-mask-max-tokens=64, commonly because of cutoff ties."
+
+    async def refusing(leg: Any, on_output: Any) -> Any:
+        async def first_only(*output: Any) -> None:
+            await on_output(*output)
+            raise _Refuse
+
+        with contextlib.suppress(_Refuse):
+            await generate(leg, first_only)
+        raise EngineError(400, "engine_rejected", why)
+
+    worker.shim.adapter.generate = refusing  # type: ignore[method-assign]
+    caplog.set_level(logging.INFO, logger="router")
+    caplog.clear()
+    body = {"model": MODEL, "prompt": list(range(50)), "max_tokens": 30, "stream": True, "ignore_eos": True}
+    async with http.post(router.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        request_id = resp.headers["x-request-id"].removeprefix("cmpl-")
+        tail = (await resp.read()).decode()
+    (event,) = [line for line in tail.splitlines() if '"error"' in line]
+    assert json.loads(event.removeprefix("data: "))["error"]["code"] == 400, tail
+    assert '"text"' in tail.split(event)[0], "no token went out before the refusal"
+    assert _requests(await _scrape(http, router)) == {("completions", "400"): 1.0}
+    said = [r for r in caplog.records if r.name.startswith("router") and request_id in r.getMessage()]
+    assert [(r.name, r.levelno) for r in said] == [("router.http_api", logging.INFO)], said
+    line = said[0].getMessage()
+    assert "after its first chunk" in line and why in line and line.endswith("a 400 error event"), line
+    assert all(s.routable for s in router.eligibility.statuses(router.registry.workers())), "a worker was blamed"
 
 
 @pytest.mark.parametrize("stream", [True, False])
