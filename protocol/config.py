@@ -108,7 +108,8 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_
     prefill_busy_threshold: prefill_load calls a prefill worker busy above this multiple of its
         max_num_batched_tokens in queued prefill tokens (strict); None inherits queue_threshold.
     decode_busy_threshold: a bypass is vetoed while the decode worker's KV use, this request
-        included, is above this fraction of its blocks (strict); None disables the guard.
+        included (all its prompt's blocks, the prefix the worker caches too), is above this
+        fraction of its blocks (strict); None disables the guard.
     queue_threshold: the router's queue threshold: a worker whose queued prefill tokens exceed this
         multiple of its max_num_batched_tokens takes no new request while another is below it.
     ttft_link_gbps: ttft_model's KV transfer bandwidth between prefill and decode workers, GB/s.

@@ -2,12 +2,16 @@
 
 Rule (DESIGN.md): with decode_busy_threshold set, a bypass is vetoed while
 
-    (kv_used_blocks(d) + new_blocks) / kv_total_blocks(d) > decode_busy_threshold   (strict)
+    (kv_used_blocks(d) + request_blocks) / kv_total_blocks(d) > decode_busy_threshold   (strict)
 
 where `kv_used_blocks` is d's KV use as the load view knows it (its last report plus the decode
-blocks routers booked on it that no report covers yet, i.e. `active_blocks`), `new_blocks` the
-blocks this prompt adds beyond the prefix d already caches. Unknown capacity (no kv_total_blocks in the
-report or the worker record) vetoes. Unset threshold: the guard is off. Applies to every policy.
+blocks routers booked on it that no report covers yet, i.e. `active_blocks`), `request_blocks` all
+the blocks of this prompt, its prefix d caches included. An engine's KV use counts only blocks
+requests hold (vLLM's usage, engine_sim's BlockPool.num_used): a cached prefix no running request
+holds is free until this request takes it, so admitting the request adds its whole prompt. That is
+an upper bound: it counts twice the prefix blocks a running request shares at that moment. Unknown
+capacity (no kv_total_blocks in the report or the worker record) vetoes. Unset threshold: the guard
+is off. Applies to every policy.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ class DecodeGuard:
         total = d.kv_total_blocks
         if not total:
             return f"decode worker {d.worker}: KV capacity unknown"
-        used = max(d.kv_used_blocks, d.active_blocks) + ctx.new_blocks(d)
+        used = max(d.kv_used_blocks, d.active_blocks) + ctx.request_blocks
         if used / total > threshold:
             return f"decode worker {d.worker} KV {used}/{total} blocks > {threshold:g}"
         return None

@@ -365,7 +365,13 @@ def test_ttft_unknown_profile_keeps_remote_prefill() -> None:
 GUARD_TABLE = [
     (0.5, 400, 0, 1600, 0, 1000, False),  # 400 + 100 new blocks == 0.5 x 1000
     (0.5, 400, 0, 1616, 0, 1000, True),  # 501
-    (0.5, 400, 0, 1616, 1, 1000, False),  # one block already cached: 500
+    # A cached prefix counts too: the engine's KV use leaves out a prefix no running request holds
+    # (it is free until this request takes it), so admitting the prompt adds all its blocks.
+    (0.5, 400, 0, 1616, 1, 1000, True),  # one of its 101 blocks cached: still 501
+    (0.5, 399, 0, 1616, 100, 1000, False),  # 100 cached: 399 + 101 == 500
+    (0.41, 4000, 0, 201 * 16, 200, 10000, True),  # 200 of 201 cached: 4201 (not 4001) > 4100
+    (0.4201, 4000, 0, 201 * 16, 200, 10000, False),  # 4201 == 0.4201 x 10000
+    (0.5, 0, 400, 1616, 101, 1000, True),  # all cached, over bookings: 400 + 101
     (0.5, 0, 450, 800, 0, 1000, False),  # bookings count: 450 + 50
     (0.5, 0, 451, 800, 0, 1000, True),
     (0.9, 0, 0, 16, 0, None, True),  # unknown capacity vetoes
@@ -379,6 +385,28 @@ def test_decode_guard_boundaries(
 ) -> None:
     d = cand(overlap=overlap, kv_used_blocks=used, active_blocks=active, kv_total_blocks=total)
     assert (DecodeGuard(threshold).veto(decided(isl, d)) is not None) is vetoed
+
+
+def test_decode_guard_counts_what_the_engine_holds_once_it_admits_the_request() -> None:
+    # engine_sim's pool, as vLLM's: a finished turn's prefix stays cached but free, and the next
+    # turn takes it back into use. The guard's count must be the engine's use after admission.
+    prefix, new = 40 * BLOCK, 3 * BLOCK
+    s = Scheduler(block_size=BLOCK, num_gpu_blocks=101, max_num_batched_tokens=4096, emit_events=False)
+    s.add_request(SimRequest("turn1", [*range(1000, 1000 + prefix), 7], max_tokens=1))
+    while s.requests:
+        s.step()
+    s.add_request(SimRequest("other", list(range(50000, 50000 + 10 * BLOCK - 4)), max_tokens=10**6))
+    s.step()
+    held = s.num_blocks_in_use
+    assert held == 10  # the idle prefix is not in the engine's use
+    d = cand(overlap=prefix // BLOCK, kv_used_blocks=held, kv_total_blocks=100)
+    s.add_request(SimRequest("turn2", [*range(1000, 1000 + prefix), *range(9000, 9000 + new)], max_tokens=10**6))
+    s.step()
+    after = s.num_blocks_in_use
+    assert after == held + (prefix + new) // BLOCK == 53
+    assert DecodeGuard(after / 100).veto(decided(prefix + new, d)) is None  # at the threshold: allowed
+    veto = DecodeGuard((after - 1) / 100).veto(decided(prefix + new, d))
+    assert veto == f"decode worker d1 KV {after}/100 blocks > {(after - 1) / 100:g}"
 
 
 # --- config -----------------------------------------------------------------------------------

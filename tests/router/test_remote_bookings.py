@@ -104,10 +104,11 @@ async def test_a_request_waiting_on_its_decode_worker_stays_counted_there(
 async def test_the_decode_guard_sees_a_remote_request_waiting_on_its_worker(
     cluster: Cluster, http: aiohttp.ClientSession, requests: Requests
 ) -> None:
-    """C shares 1600 tokens with A, which d holds, so isl_bounding would bypass it onto d; the
-    guard (decode_busy_threshold 0.9) must veto that while B waits there for KV room."""
+    """C shares 160 tokens with A, which d holds, so isl_bounding would bypass it onto d; the
+    guard (decode_busy_threshold 0.9) must veto that while B waits there for KV room. The guard
+    counts all of C's 13 blocks (A's 129 or so + 13 < 0.9 x 256; with B's 128, over)."""
     router, d = await _fleet(cluster, disagg="conditional", conditional_disagg=True, decode_busy_threshold=0.9)
-    c_prompt = A_PROMPT[:1600] + list(range(9001, 9041))
+    c_prompt = A_PROMPT[:160] + list(range(9001, 9041))
     await _a_decoding(requests, http, router, d, False)
     assert router.path.explain(MODEL, c_prompt, text=False)["path"] == "bypass"  # d has room beside A alone
     _post(requests, http, router, B_PROMPT, False)
