@@ -37,6 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from protocol.config import RouterSettings
 from router.policies import (
+    LOAD_POLICIES,
     SEED_POLICIES,
     Decision,
     DecodeGuard,
@@ -113,6 +114,8 @@ class Disaggregator:
         self.transfers = transfers or TransferHealth()
         # decode workers in the fleet whose overridden bypasses were said (forget: one that left)
         self._no_local_said: set[str] = set()
+        # prefill workers the load rule cannot judge, said (forget: one that left)
+        self._unjudged_said: set[str] = set()
         self.counts: Counter[Outcome] = Counter()
         self._unpaired: set[str] = set()  # models said to have no prefill worker while one was asked for
         self._install(settings, make_policy(settings.conditional, settings))
@@ -133,6 +136,7 @@ class Disaggregator:
     def forget(self, worker: str) -> None:
         """`worker` left the fleet: what is kept of it goes (one that comes back is said anew)."""
         self._no_local_said.discard(worker)
+        self._unjudged_said.discard(worker)
         self.transfers.forget(worker)
 
     def record(self, outcome: Outcome) -> None:
@@ -156,6 +160,23 @@ class Disaggregator:
             )
         if plan.path is Path.REMOTE and plan.prefill is not None and self.transfers.any:
             self.transfers.probing(plan.decode.worker, plan.prefill.worker)
+        p = plan.prefill
+        if (
+            p is not None
+            and not p.info.max_num_batched_tokens
+            and p.worker not in self._unjudged_said
+            and self.policy_decides
+            and self.policy.name in LOAD_POLICIES
+        ):
+            # Else only /debug/route's per-request reason shows that the load rule never acts there.
+            self._unjudged_said.add(p.worker)
+            log.warning(
+                "prefill worker %s registered no max_num_batched_tokens: policy %s's load rule cannot judge it "
+                "busy, so no request is bypassed for its load; start its shim with --max-num-batched-tokens "
+                "(the engine's value: vLLM does not export it). Said once per worker",
+                p.worker,
+                self.policy.name,
+            )
 
     def admitted(self, plan: RoutePlan) -> None:
         """`plan`'s request was admitted (its first attempt booked): the policy learns from it and

@@ -16,6 +16,7 @@ from router.policies.decision import Decision, DecodeRoom, Outcome, Path, Policy
 from router.policies.decode_guard import DecodeGuard
 
 __all__ = [
+    "LOAD_POLICIES",
     "POLICIES",
     "SEED_POLICIES",
     "Decision",
@@ -39,6 +40,9 @@ assert set(POLICIES) == set(POLICY_NAMES), "the registry and protocol.config mus
 SEED_POLICIES = frozenset({isl_bounding.NAME, prefill_load.NAME, isl_or_load.NAME})
 """DESIGN.md's policies, "the seed's semantics, exactly": bypass iff their rule says so. No room
 rule of the router's takes a prefill worker away from them (router.planner)."""
+LOAD_POLICIES = frozenset({prefill_load.NAME, isl_or_load.NAME})
+"""Policies with prefill_load's rule, which cannot judge a prefill worker whose record lacks
+max_num_batched_tokens busy: no request is bypassed for that worker's load."""
 
 
 def make_policy(cfg: ConditionalDisaggConfig, settings: RouterSettings | None = None) -> Policy:

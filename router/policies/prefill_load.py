@@ -9,7 +9,7 @@ queue is the load view's (its last report plus every router's bookings). Strict:
 at the threshold is not busy. It compares queued / max_num_batched_tokens with the threshold: the
 float product rounds below limits such as 0.57 x 10000 and would call a queue at them busy. A
 prefill worker whose record lacks max_num_batched_tokens cannot be judged busy, so the request
-keeps its remote prefill.
+keeps its remote prefill (router.disagg warns once per such worker).
 
 Parameters (ConditionalDisaggConfig): prefill_busy_threshold (multiple of max_num_batched_tokens,
 >= 0); unset, it inherits queue_threshold; neither set is a startup error for this policy.

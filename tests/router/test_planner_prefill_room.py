@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -246,3 +247,53 @@ def test_a_prefill_fit_under_half_keeps_no_worker_past_the_bound_at_llamas_8192_
         if p.queued_prefill_tokens / (p.prefill_rate() or 1) > 1.0 and f.planner.disagg.prefill_fits(c, p):
             kept.append(queued)
     assert kept == []
+
+
+UNJUDGED = "registered no max_num_batched_tokens"
+
+
+def _unjudged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and UNJUDGED in r.getMessage()]
+
+
+@pytest.mark.parametrize("policy", ["prefill_load", "isl_or_load"])
+def test_a_load_policy_warns_once_per_prefill_worker_it_cannot_judge(
+    policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A vLLM shim started without --max-num-batched-tokens registers none (vLLM does not export
+    it): the load rule never calls that worker busy. Said once per worker, not per request."""
+    caplog.set_level(logging.WARNING, logger="router.disagg")
+    f = Fleet(winfo("d1"), winfo("p1", "prefill", max_num_batched_tokens=None), conditional_disagg=True,
+              conditional_disagg_policy=policy, queue_threshold=1.0)  # fmt: skip
+    f.report("p1", prefill_tokens_queued=10**6)
+    for i in range(3):
+        plan = f.planner.take(f.ctx([10_000 * i + t for t in LONG], f"r{i}"))  # none cached anywhere
+        assert plan is not None and (plan.path, plan.outcome) == (Path.REMOTE, Outcome.DECLINED_POLICY)
+        assert "prefill worker p1: max_num_batched_tokens unknown" in plan.reason
+    assert _unjudged(caplog) == [
+        f"prefill worker p1 registered no max_num_batched_tokens: policy {policy}'s load rule cannot judge it busy, "
+        "so no request is bypassed for its load; start its shim with --max-num-batched-tokens (the engine's "
+        "value: vLLM does not export it). Said once per worker"
+    ]
+    f.planner.disagg.forget("p1")  # it left: one that comes back is said anew
+    f.planner.take(f.ctx(LONG, "again"))
+    assert len(_unjudged(caplog)) == 2
+
+
+@pytest.mark.parametrize(
+    ("flat", "mnbt"),
+    [
+        ({"conditional_disagg": True, "conditional_disagg_policy": "prefill_load", "queue_threshold": 1.0}, 8192),
+        ({"conditional_disagg": True}, None),  # isl_bounding has no load rule
+        ({"conditional_disagg": True, "conditional_disagg_policy": "ttft_model"}, None),
+        ({"conditional_disagg_policy": "prefill_load", "queue_threshold": 1.0}, None),  # the policy is off
+    ],
+)
+def test_no_warning_where_no_load_rule_misses_the_prefill_workers_limit(
+    flat: dict[str, Any], mnbt: int | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="router.disagg")
+    f = Fleet(winfo("d1"), winfo("p1", "prefill", max_num_batched_tokens=mnbt), **flat)
+    plan = f.planner.take(f.ctx(LONG))
+    assert plan is not None and plan.prefill is not None and plan.prefill.worker == "p1"
+    assert _unjudged(caplog) == []
