@@ -11,7 +11,8 @@ requests hold (vLLM's usage, engine_sim's BlockPool.num_used): a cached prefix n
 holds is free until this request takes it, so admitting the request adds its whole prompt. That is
 an upper bound: it counts twice the prefix blocks a running request shares at that moment. Unknown
 capacity (no kv_total_blocks in the report or the worker record) vetoes. Unset threshold: the guard
-is off. Applies to every policy.
+is off. Applies to every policy's bypass, not to those the router forces (`bypass_sequences`,
+`bypass_transfer_failing` and the like: router.disagg, docs/decisions.md).
 """
 
 from __future__ import annotations
