@@ -18,7 +18,9 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   none (a flood of forged batches is a repair, and such a drop, after another: one line, not one a
   repair), capped the same way as the lines below. One forged batch costs one repair, never a
   repair loop. Held batches after the reply's seq are then applied in order; if a gap
-  remains, the repair goes on.
+  remains, the repair goes on. A replay that stops short of the shim's own seq is malformed
+  (counted, said once per worker): a full dump is next, the worker out of routing until it is in
+  (until 2026-12-07, with no batch held, it was synced at the seq the replay stopped at).
 - A worker is bootstrapped (a full dump) when the registry adds it. While it bootstraps or repairs,
   only it is out of routing (router.eligibility); every other worker routes as usual.
 - The digest check: each load report carries the shim's (kv_epoch, kv_seq, kv_blocks, kv_xor). At
@@ -1003,7 +1005,13 @@ class KvIngest:
                     if batch.epoch == sync.epoch and batch.seq == sync.last_seq + 1 and not self._apply(batch, state):
                         return  # past its capacity: cleared, and a dump is next
             if sync.last_seq < first.seq:
-                state.want_dump = True  # the replay did not reach the shim's own seq: take its full state
+                # The replay did not reach the shim's own seq: a broken shim. Out of routing until
+                # its full state is in (with nothing held, it was synced at the seq it stopped at).
+                gap = f"its replay stops at seq {sync.last_seq}, short of its own seq {first.seq}"
+                self._malformed(worker, ProtocolError("KvStateChunk", gap, "replay stops short"), "repair")
+                state.want_dump = True
+                state.why = f"{gap}: a full dump is next"
+                return
         self._drop_contradicted(state, first.epoch, first.seq)
         if self._drain_held(state):
             if sync.state is not SyncState.SYNCED:

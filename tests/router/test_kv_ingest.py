@@ -60,6 +60,7 @@ class FakeShim:
         self.answering = True
         self.garbage = 0  # answer this many requests with bytes that are no KvStateChunk
         self.bad_dumps = 0  # answer this many dump requests with packed hashes of a bad length
+        self.short_replays = 0  # answer this many replays with their first batch only, at the shim's own seq
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.kvstate(self.ns, self.worker), cb=self._on_state)
@@ -111,6 +112,9 @@ class FakeShim:
         missed = [b for b in self.ring if b.seq > req.since_seq]
         covered = req.since_seq == self.seq or (bool(missed) and missed[0].seq == req.since_seq + 1)
         if req.epoch == self.epoch and covered:
+            if self.short_replays and missed:
+                self.short_replays -= 1
+                missed = missed[:1]
             for i in range(0, max(len(missed), 1), 2):  # two batches per chunk
                 last = i + 2 >= len(missed)
                 chunk = KvStateChunk(
@@ -628,6 +632,38 @@ async def test_a_lost_last_batch_is_caught_by_the_digest_within_the_grace(nc: Cl
         assert ingest.index.dump() == shim.expected() == {"a1": [1, 2]}
         ingest.check_digest(report())  # now equal: nothing to do
         assert ingest.stats.digest_mismatches == 0 and ingest.synced
+    finally:
+        await ingest.stop()
+
+
+async def test_a_replay_short_of_the_shims_own_seq_is_malformed_and_a_dump_follows(
+    nc: Client, ns: str, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Nothing held (the last batches lost, seen by the digest): the worker was synced, and routable,
+    # at the seq the replay stopped at, its later blocks missing until another repair.
+    clock = Clock()
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, behind_grace_s=1.0, clock=clock)
+    await ingest.start()
+    try:
+        await synced_with(ingest, shim)
+        caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+        await shim.publish(Stored(hashes=[1]))
+        await shim.publish(Stored(hashes=[2], parent=1), drop=True)
+        await shim.publish(Stored(hashes=[3], parent=2), drop=True)
+        await until(lambda: ingest.stats.batches_applied == 1)
+        shim.short_replays = 1
+        n, x = digest(shim.expected()["a1"])
+        report = LoadReport(worker="a1", ts=0.0, kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=n, kv_xor=x)
+        ingest.check_digest(report)
+        clock.now = 1.0
+        ingest.check_digest(report)
+        await until(lambda: ingest.stats.digest_lags == 1 and ingest.synced)
+        assert ingest.index.dump() == shim.expected() == {"a1": [1, 2, 3]}
+        assert ingest.stats.workers["a1"].last_seq == shim.seq
+        assert shim.requests[-2:] == [KvStateRequest(since_seq=1, epoch=shim.epoch), KvStateRequest()]
+        assert ingest.stats.malformed == 1
+        [line] = _malformed_lines(caplog)
+        assert "worker a1" in line and "replay stops at seq 2, short of its own seq 3" in line
     finally:
         await ingest.stop()
 
