@@ -85,7 +85,9 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   until 2026-12-07 every such sender shared one entry, and only the first was ever named.
   A batch that decodes but holds a bad hash (packed bytes that are not whole u64s, an int out of
   range) is counted the same way; the events before the bad one are applied, the batch takes its
-  seq, and the next load report's digest check repairs the difference.
+  seq, and the next load report's digest check repairs the difference. `on_events` is told a
+  Cleared for it (the worker's pending prefixes end): until 2026-12-07 it was told nothing, and a
+  pending entry for a block the batch evicted credited the worker until its TTL, past the dump.
 - Events of a type this router does not know are a newer shim's (docs/decisions.md, "Kinds a newer
   kvswitch adds"): left out, counted by type, said once per worker (capped the same way); the
   rest of the batch is applied and takes its seq, and the next load report's digest check repairs
@@ -206,7 +208,8 @@ class KvIngest:
     Owns its subscriptions (router.sender_subscriptions) and the repair loops (router.gap_repair),
     not the NATS connections: batches come on `nc`, kvstate requests go on `requests_nc` (`nc`
     when None). `stop()` is idempotent. `on_events(worker, events)` sees every applied event (the
-    pending prefixes confirm against it). `budget`: each sender's (router.sender_budget).
+    pending prefixes confirm against it), and a Cleared where a batch's bad hash leaves the worker's
+    state unknown. `budget`: each sender's (router.sender_budget).
     """
 
     def __init__(
@@ -626,6 +629,9 @@ class KvIngest:
             # the bad one are in, and the next load report's digest check repairs the difference.
             self._malformed(worker, exc, "hash")
             state.digest_dumped = False  # the index now differs from the shim's by this batch: not the shim's digest
+            # What the batch left the worker holding is unknown until that dump, which leaves
+            # pending entries alone: end them now, or one for a block it evicted outlives the dump.
+            self._on_events(worker, [Cleared()])
         else:
             self._on_events(worker, batch.events)
         state.sync.last_seq, state.sent_ts = batch.seq, _shim_time(batch.ts)

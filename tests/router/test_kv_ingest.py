@@ -37,6 +37,7 @@ from router.block_index import BlockIndex
 from router.ingest_stats import SyncState
 from router.kv_ingest import KvIngest
 from router.lifecycle import PartStatus
+from router.pending_prefixes import PendingPrefixes
 from router.sender_budget import SenderBudget
 from runtime.nats_flush import flush
 from tests.router.polling import until
@@ -211,6 +212,36 @@ async def test_a_batch_with_bad_hashes_is_counted_and_its_seq_taken(
     assert ingest.stats.gaps == 0 and ingest.synced
     assert ingest.index.dump() == {"a1": [1, 7, 9]}  # what came before the bad event is in
     assert len([r for r in caplog.records if "malformed" in r.getMessage()]) == 1
+
+
+async def test_a_batch_with_a_bad_hash_ends_its_workers_pending_entries(nc: Client, ns: str, shim: FakeShim) -> None:
+    # Its events before the bad one are applied, the rest not; none confirmed the pending entries,
+    # so one for a block it evicted credited the worker until its TTL (a dump leaves them alone).
+    pending = PendingPrefixes(30.0, lambda: 0.0)
+
+    def on_events(worker: str, events: list[KvEvent]) -> None:  # as the router's service wires them
+        for ev in events:
+            if isinstance(ev, Stored | Removed):
+                pending.confirm(worker, ev.hashes)
+            elif isinstance(ev, Cleared):
+                pending.forget_worker(worker)
+
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, on_events=on_events)
+    await ingest.start()
+    try:
+        await shim.publish(Stored(hashes=[1, 2]))
+        await synced_with(ingest, shim)
+        pending.add("a1", [1, 2, 3])  # a request routed there: its third block is on its way
+        shim.seq += 1
+        events: list[KvEvent] = [Stored(hashes=[3], parent=2), Removed(hashes=[2]), Stored(hashes=b"\x02" * 9)]
+        batch = KvEventBatch(worker="a1", epoch=shim.epoch, seq=shim.seq, ts=0.0, events=events)
+        await nc.publish(subjects.kv(ns, "a1"), encode_msg(batch))
+        await until(lambda: ingest.stats.malformed == 1)
+        assert ingest.index.dump() == {"a1": [1, 3]}
+        assert not pending.holds("a1", 2)  # evicted
+        assert pending.match([1, 2, 3], ingest.index.find_matches([1, 2, 3])) == {}
+    finally:
+        await ingest.stop()
 
 
 async def test_a_dump_with_bad_hashes_is_a_failed_repair_and_retried(ingest: KvIngest, shim: FakeShim) -> None:
