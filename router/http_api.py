@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -106,6 +105,7 @@ from router.request_parsing import (
 )
 from router.request_path import RequestPath, Unknown
 from router.route_info import route_info_mode, route_shown
+from router.routes import add_routes
 from router.tokenization import Tokenization
 
 __all__ = ["Drain", "HttpLimits", "make_app"]
@@ -1056,24 +1056,25 @@ def make_app(
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=middlewares)
     app.on_response_prepare.append(_echo_request_id)
     ExpectRoutes.install(app)  # every route's Expect is router.expectations', never aiohttp's
-    # A GET route answers HEAD as vLLM's (FastAPI's) do, a 405 saying `Allow: GET` (until 2026-12-07
-    # aiohttp's HEAD route answered it); /metrics answers it, as Prometheus's app does on vLLM.
-    get = functools.partial(app.router.add_get, allow_head=False)
-    get("/health", h.health)
-    # vLLM's SageMaker liveness route, /health's answer to GET and POST (until 2026-12-07 a 404)
-    get("/ping", h.health)
-    app.router.add_post("/ping", h.health)
-    get("/ready", h.ready)
-    app.router.add_get("/metrics", h.metrics, allow_head=True)
-    get("/v1/models", h.models)
-    app.router.add_post("/v1/completions", h.completions)
-    app.router.add_post("/v1/chat/completions", h.chat)
-    app.router.add_post("/tokenize", h.tokenize)
-    app.router.add_post("/detokenize", h.detokenize)
-    get("/version", h.version)
-    app.router.add_post("/debug/route", h.debug_route)
-    get("/debug/index", h.debug_index)
-    get("/debug/workers", h.debug_workers)
+    # Until 2026-12-07 aiohttp's HEAD route answered HEAD on every GET route (router.routes)
+    add_routes(
+        app,
+        {
+            "/health": h.health,
+            "/ping": h.health,  # vLLM's SageMaker liveness route, /health's answer (until 2026-12-07 a 404)
+            "/ready": h.ready,
+            "/metrics": h.metrics,
+            "/v1/models": h.models,
+            "/v1/completions": h.completions,
+            "/v1/chat/completions": h.chat,
+            "/tokenize": h.tokenize,
+            "/detokenize": h.detokenize,
+            "/version": h.version,
+            "/debug/route": h.debug_route,
+            "/debug/index": h.debug_index,
+            "/debug/workers": h.debug_workers,
+        },
+    )
 
     async def close_pool(_app: web.Application) -> None:
         tokenization.close()

@@ -13,6 +13,7 @@ requests the door answers until the router's app is ready:
 - `/health` (and `/ping`) 200 with the router's own `health()`: the process is alive and trying;
 - `/ready` 503 with the router's own `readiness()`, whose problems name what it waits for;
 - `/metrics` as always;
+- a wrong method on one of these the router's app's 405, its `Allow` the app's (router.routes);
 - any other request an OpenAI 503 with `Retry-After: 1` naming the same, counted as
   `endpoint="starting"` (a fixed label, as `draining`).
 
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from protocol.errors import bind_sockets, listen_error
 from router.api_errors import ApiError, FrontDoorRunner, json_response, openai_errors
@@ -41,6 +43,7 @@ from router.client_connections import ClientConnections
 from router.expectations import ExpectRoutes
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.request_path import starting
+from router.routes import add_routes
 from runtime.fd_limit import fd_limit
 
 __all__ = ["StartDoor"]
@@ -149,17 +152,13 @@ class StartDoor:
         """Listens and answers; the URL of the first address (a wildcard host as it is bound)."""
         connections = ClientConnections(fd_limit(), self._metrics)
         sockets = _listen(self.host, self.port, connections.backlog)
-        app = web.Application(middlewares=[openai_errors(self._metrics)])
+        app = web.Application(middlewares=[openai_errors(self._metrics), self._not_yet])
         # An Expect is held and never answered (router.expectations, without its 417): the door's
         # answer is the one a request gets, its 503 ahead of any 417 as the drain's is, no 100 before it.
         ExpectRoutes.install(app)
-        # /metrics alone answers HEAD, as on the router's app (http_api.make_app)
-        app.router.add_get("/health", self._on_health, allow_head=False)
-        app.router.add_get("/ping", self._on_health, allow_head=False)
-        app.router.add_post("/ping", self._on_health)
-        app.router.add_get("/ready", self._on_ready, allow_head=False)
-        app.router.add_get("/metrics", self._on_metrics, allow_head=True)
-        app.router.add_route("*", "/{path:.*}", self._on_request)
+        # The app's methods on these paths (router.routes): a wrong one is the app's 405, not a 503
+        door = {"/health": self._on_health, "/ping": self._on_health, "/ready": self._on_ready}
+        add_routes(app, {**door, "/metrics": self._on_metrics})
         # The router's server from the start: the door's connections are its own. The drain itself
         # is the router's (http_api.Drain); aiohttp's own waits twice its timeout per connection.
         self._runner = runner = _Switch(
@@ -211,7 +210,13 @@ class StartDoor:
     async def _on_metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=await self._metrics.render_off_loop(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def _on_request(self, _request: web.Request) -> web.Response:
+    @web.middleware
+    async def _not_yet(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A path the door does not serve, which the router's app may: a 503 until the app takes over
+        (a wrong method on one of the door's paths is the app's 405, aiohttp's, as on the app)."""
+        unrouted = request.match_info.http_exception
+        if unrouted is None or unrouted.status != 404:
+            return await handler(request)
         self._metrics.count_request("starting", 503)
         # Closed: a body left unread must not be taken for the next request.
         return ApiError(503, f"{self._starting()}: send the request again", retry_after_s=1, close=True).response()

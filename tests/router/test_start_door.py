@@ -21,7 +21,9 @@ import pytest
 from kvswitch.servers import NatsServer, dying_with_parent, free_port
 from protocol.config import EtcdSettings, NatsSettings
 from router.http_api import HttpLimits
+from router.metrics import RouterMetrics, StateFigures
 from router.service import RouterConfig, RouterService, RouterStatus
+from router.start_door import StartDoor
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
 
@@ -152,6 +154,39 @@ async def test_a_router_waiting_for_etcd_says_so_on_ready(nats_url: str, ns: str
             await _cancelled(start)
     with pytest.raises(aiohttp.ClientConnectionError):  # stopped while it started: the port is closed
         await _get(http, f"{router.url}/health")
+
+
+async def test_a_wrong_method_at_the_start_door_is_the_routers_405(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """HEAD on /health, /ping or /ready at the door was its 503 "starting, send again" (its catch-all
+    route took the method the path's own routes refused), counted as endpoint="starting": the
+    router's app answers it 405, saying Allow. The door's 405s are the app's (router.routes)."""
+    metrics = RouterMetrics(StateFigures)
+    door = StartDoor("127.0.0.1", 0, health=lambda: {"status": "starting"}, readiness=lambda: (False, {}),
+                     waiting=lambda: "connecting to NATS", metrics=metrics, idle_timeout_s=5)  # fmt: skip
+    url = await door.open()
+    router = await cluster.add_router()
+    try:
+        wrong = [("HEAD", "/health"), ("HEAD", "/ping"), ("HEAD", "/ready"), ("POST", "/health"),
+                 ("PUT", "/ping"), ("DELETE", "/ready"), ("POST", "/metrics")]  # fmt: skip
+        for method, path in wrong:
+            answers = []
+            for base in (url, router.url):
+                async with http.request(method, base + path) as resp:
+                    answers.append((resp.status, resp.headers.get("Allow"), await resp.read()))
+            assert answers[0] == answers[1], (method, path, answers)
+            allow = {"/ping": "GET,POST", "/metrics": "GET,HEAD"}.get(path, "GET")
+            assert answers[0][:2] == (405, allow), (method, path, answers)
+        async with http.head(url + "/metrics") as resp:
+            assert resp.status == 200
+        async with http.post(url + "/v1/completions") as resp:  # a route the door does not serve
+            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        sample = metrics.registry.get_sample_value
+        assert sample("kvswitch_router_requests_total", {"endpoint": "unrouted", "code": "405"}) == len(wrong)
+        assert sample("kvswitch_router_requests_total", {"endpoint": "starting", "code": "503"}) == 1
+    finally:
+        await door.close()
 
 
 async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, bytes]:

@@ -1,0 +1,40 @@
+"""The methods each of the router's routes answers: one table, read by the router's app
+(http_api.make_app) and by the start door (router.start_door), so that a wrong method on a path both
+serve gets the same 405 and `Allow` from each.
+
+A GET route does not answer HEAD, as vLLM's (FastAPI's) do not: a 405 saying `Allow: GET`. /metrics
+does, as Prometheus's app does on vLLM. /ping is vLLM's SageMaker liveness route, GET and POST.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+__all__ = ["METHODS", "add_routes"]
+
+METHODS: Mapping[str, tuple[str, ...]] = {
+    "/health": ("GET",),
+    "/ping": ("GET", "POST"),
+    "/ready": ("GET",),
+    "/metrics": ("GET", "HEAD"),
+    "/v1/models": ("GET",),
+    "/v1/completions": ("POST",),
+    "/v1/chat/completions": ("POST",),
+    "/tokenize": ("POST",),
+    "/detokenize": ("POST",),
+    "/version": ("GET",),
+    "/debug/route": ("POST",),
+    "/debug/index": ("GET",),
+    "/debug/workers": ("GET",),
+}
+
+
+def add_routes(app: web.Application, handlers: Mapping[str, Handler]) -> None:
+    """Each path of `handlers` (one of METHODS') on `app`, answering the methods METHODS gives it."""
+    for path, handler in handlers.items():
+        for method in METHODS[path]:
+            # add_route, never add_get: aiohttp's add_get adds a HEAD route of its own
+            app.router.add_route(method, path, handler)
