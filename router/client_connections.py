@@ -23,7 +23,7 @@ not waiting after all (its request read this very loop turn, its answer still go
 started) goes to the back, and at most SHED_LOOK are looked at, so a new connection costs O(1).
 
 With none idle (every connection has a request in flight) the new one is refused: its routed
-requests are answered 503 (OpenAI JSON, `Connection: close`, `Retry-After`), while `PROBES` are
+requests are answered 503 (OpenAI JSON, `Connection: close`, `Retry-After`), while `router.routes.PROBES` are
 answered as always and then closed, so a liveness probe or a scrape still gets through
 (docs/router.md: `/health` answers 200 whenever the process does). A refused connection closes
 after its answer; one that has sent no whole request head in REFUSED_HEAD_S is closed (`silent`),
@@ -49,16 +49,16 @@ from aiohttp.web_protocol import RequestHandler
 
 from router.api_errors import ApiError
 from router.metrics import CLIENT_SHED_HOW, RouterMetrics
+from router.routes import PROBES, PROBES_NAMED
 from runtime import LISTEN_BACKLOG
 
-__all__ = ["FD_RESERVE", "PROBES", "REFUSED_GRACE_S", "REFUSED_HEAD_S", "SHED_LOOK", "ClientConnections"]
+__all__ = ["FD_RESERVE", "REFUSED_GRACE_S", "REFUSED_HEAD_S", "SHED_LOOK", "ClientConnections"]
 
 log = logging.getLogger(__name__)
 
 FD_RESERVE = 256  # the least left beside the cap
 MIN_CAP = 64  # below it the limit is too low to serve: a WARNING says so
 SHED_LOOK = 4  # the most idle candidates one new connection looks at
-PROBES = frozenset({"/health", "/ping", "/ready", "/metrics"})  # answered on a refused connection too
 # A refused connection's wait for its first request head: a client refused in a burst sends its request
 # at once (a round trip); one that sends nothing would hold one of `backlog` places to the idle timeout.
 REFUSED_HEAD_S = 2.0
@@ -218,10 +218,11 @@ class ClientConnections:
             self._episode = (time.monotonic(), self._shed_count)
             log.warning(
                 "client connections at the cap of %d (open-file limit %s): each new one closes the connection idle "
-                "longest, or, none idle, is refused (503 to all but /health, /ready and /metrics); "
+                "longest, or, none idle, is refused (503 to all but %s); "
                 "kvswitch_router_client_connections_shed_total counts them",
                 self.cap,
                 self.limit,
+                PROBES_NAMED,
             )
 
     def _count(self, how: str) -> None:

@@ -105,7 +105,7 @@ from router.request_parsing import (
 )
 from router.request_path import RequestPath, Unknown
 from router.route_info import route_info_mode, route_shown
-from router.routes import add_routes
+from router.routes import PROBES, add_routes
 from router.tokenization import Tokenization
 
 __all__ = ["Drain", "HttpLimits", "make_app"]
@@ -956,9 +956,9 @@ _COUNTED = {
 }
 
 
-# Probes and scrapers carry no key. The full fleet listing is /debug/workers, behind the operator
-# key, not a query on /ready: at 1,000 workers it is ~0.3 MB and ms of the event loop per answer.
-_OPEN_PATHS = frozenset({"/health", "/ping", "/ready", "/metrics"})
+# Probes and scrapers (router.routes.PROBES) carry no key. The full fleet listing is /debug/workers,
+# behind the operator key, not a query on /ready: at 1,000 workers it is ~0.3 MB and ms of the event
+# loop per answer.
 
 
 def _auth_middleware(keys: ApiKeys | None, debug_keys: ApiKeys | None, metrics: RouterMetrics) -> Callable[..., Any]:
@@ -977,7 +977,7 @@ def _auth_middleware(keys: ApiKeys | None, debug_keys: ApiKeys | None, metrics: 
                 metrics.count_request("auth", 403)
                 why = "/debug/* is closed: the router was started with API keys and no --debug-api-keys-file"
                 return ApiError(403, why).response()
-        elif keys is not None and path not in _OPEN_PATHS and not keys.allows(presented):
+        elif keys is not None and path not in PROBES and not keys.allows(presented):
             metrics.count_request("auth", 401)
             return ApiError(401, "a valid API key is required: send `Authorization: Bearer <key>`").response()
         response: web.StreamResponse = await handler(request)
@@ -990,7 +990,7 @@ def _drain_gate(drain: Drain, metrics: RouterMetrics) -> Callable[..., Any]:
     @web.middleware
     async def gate(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
         """Refuses new work while draining; counts what runs, for the drain to wait on or cut."""
-        if request.path in _OPEN_PATHS:
+        if request.path in PROBES:
             response: web.StreamResponse = await handler(request)
             return response
         if drain.draining:

@@ -21,6 +21,7 @@ from protocol.config import MIN_LOAD_PERIOD_S
 from router.gap_repair import FailureKind
 from router.ingest_stats import IngestStats
 from router.replica_sync import SyncStats
+from router.routes import PROBES_NAMED
 from router.sender_budget import LOAD_BURST, LOAD_RATE_PER_S
 from router.sender_subscriptions import QUARANTINE_MAX_FACTOR, QUARANTINE_S
 
@@ -632,8 +633,8 @@ class RouterMetrics:
         self.client_connections_shed = Counter(
             "kvswitch_router_client_connections_shed",
             "Connections shed at the cap: the connection idle longest closed for a new one (idle_closed); none "
-            "idle, a request on the new one answered 503 and the connection closed (refused; /health, /ready and "
-            "/metrics are answered); a refused one closed with no request head in 2 s, or for a new one after 1 s "
+            f"idle, a request on the new one answered 503 and the connection closed (refused; {PROBES_NAMED} are "
+            "answered); a refused one closed with no request head in 2 s, or for a new one after 1 s "
             "(silent); none idle and the refused ones at the listen backlog, the new one closed at once (dropped)",
             ["how"],
             registry=self.registry,

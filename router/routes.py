@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-__all__ = ["METHODS", "add_routes"]
+__all__ = ["METHODS", "PROBES", "PROBES_NAMED", "add_routes"]
 
 METHODS: Mapping[str, tuple[str, ...]] = {
     "/health": ("GET",),
@@ -30,6 +30,17 @@ METHODS: Mapping[str, tuple[str, ...]] = {
     "/debug/index": ("GET",),
     "/debug/workers": ("GET",),
 }
+
+# Probes and scrapers: answered with no API key, through the drain, at the client-connection cap
+# (router.client_connections) and by the start door.
+PROBES = frozenset({"/health", "/ping", "/ready", "/metrics"})
+
+
+def _named(paths: list[str]) -> str:
+    return f"{', '.join(paths[:-1])} and {paths[-1]}"
+
+
+PROBES_NAMED = _named([path for path in METHODS if path in PROBES])  # as messages name them, in METHODS' order
 
 
 def add_routes(app: web.Application, handlers: Mapping[str, Handler]) -> None:

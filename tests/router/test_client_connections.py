@@ -1,7 +1,7 @@
 """The router's open-file limit and its client connections (router.client_connections): the soft
 limit is raised to the hard one at start, and the connections are capped below it, a new one past
 the cap closing the connection idle longest, or, none idle, refused (a routed request answered 503,
-`/health`, `/ready` and `/metrics` answered as always). Until 2026-12-07 the router kept
+`/health`, `/ping`, `/ready` and `/metrics` answered as always). Until 2026-12-07 the router kept
 systemd's 1024, and ~1,000 idle connections ran it out of descriptors: libuv (uvloop) then accepted
 and closed every new connection with no log line, `/health` reset. The first two run the router as
 a process under `prlimit`, against the session's real NATS and etcd; the rest run it in process."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -143,6 +144,7 @@ async def test_a_flood_of_idle_connections_past_the_fd_limit_leaves_health_answe
 
 
 _HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+_PING = b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n"  # vLLM's SageMaker liveness route
 _METRICS = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
 _COMPLETION = (
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -176,27 +178,28 @@ async def test_past_the_cap_with_every_connection_busy_new_ones_get_probes_answe
                       b"Content-Length: 100\r\n\r\n{")  # fmt: skip
             busy.append(s)
         await until(lambda: sample("kvswitch_router_client_connections") == 8, what="8 connections open")
-        # A burst: all four connected before any sends. Until 2026-12-07 each refused one was taken
+        # A burst: all five connected before any sends. Until 2026-12-07 each refused one was taken
         # for idle and closed, with no answer, for the next; and /health was 503, so a liveness probe
         # failed for as long as the router was at its cap and the router was killed, every stream with it.
-        burst = [await asyncio.open_connection(host, int(port)) for _ in range(4)]
+        burst = [await asyncio.open_connection(host, int(port)) for _ in range(5)]
         accepted = ("kvswitch_router_client_connections", "kvswitch_router_client_connections_shed_total")
         await until(  # each open, or closed for another (the old code)
-            lambda: (sample(accepted[0]) or 0) + (sample(accepted[1], how="idle_closed") or 0) == 12,
+            lambda: (sample(accepted[0]) or 0) + (sample(accepted[1], how="idle_closed") or 0) == 13,
             what="the burst accepted",
         )
-        for (_, writer), request in zip(burst, (_HEALTH, _METRICS, _COMPLETION, _COMPLETION), strict=True):
+        for (_, writer), request in zip(burst, (_HEALTH, _PING, _METRICS, _COMPLETION, _COMPLETION), strict=True):
             writer.write(request)
         async with asyncio.timeout(10):  # read to the end: each connection is closed after its answer
             answers = [_answer(await reader.read()) for reader, _ in burst]
         for _, writer in burst:
             writer.close()
-        (health, health_headers, health_body), (metrics, metrics_headers, metrics_body) = answers[:2]
-        assert health == "HTTP/1.1 200 OK" and health_headers["connection"] == "close", answers[0]
-        assert b'"status"' in health_body
-        assert metrics == "HTTP/1.1 200 OK" and metrics_headers["connection"] == "close", answers[1]
+        for status, headers, body in answers[:2]:  # /health and /ping
+            assert status == "HTTP/1.1 200 OK" and headers["connection"] == "close", (status, headers, body)
+            assert b'"status"' in body
+        metrics, metrics_headers, metrics_body = answers[2]
+        assert metrics == "HTTP/1.1 200 OK" and metrics_headers["connection"] == "close", answers[2]
         assert b"kvswitch_router_client_connections_cap 8.0" in metrics_body
-        for status, headers, body in answers[2:]:
+        for status, headers, body in answers[3:]:
             assert status == "HTTP/1.1 503 Service Unavailable", (status, headers, body)
             assert headers["connection"] == "close" and headers["retry-after"] == "1"
             error = msgspec.json.decode(body)["error"]
@@ -305,6 +308,22 @@ async def _busy(door: _Door, n: int) -> list[RequestHandler]:
         handler.data_received(_IN_FLIGHT)
     await until(lambda: all(h._request_in_progress for h in handlers), 5, what="the requests in flight")
     return handlers
+
+
+async def test_the_caps_warning_and_metric_help_name_every_probe(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Both said "503 to all but /health, /ready and /metrics" once /ping was answered too."""
+    with caplog.at_level(logging.WARNING, "router.client_connections"):
+        async with _door(monkeypatch) as door:
+            await _busy(door, _CAP)
+            door.connect()  # none idle: refused
+            scrape = (await door.metrics.render_off_loop()).decode()
+    warning = next(r.getMessage() for r in caplog.records if "at the cap" in r.getMessage())
+    shed = "# HELP kvswitch_router_client_connections_shed_total "
+    help_text = next(line for line in scrape.splitlines() if line.startswith(shed))
+    for said in (warning, help_text):
+        assert "/health, /ping, /ready and /metrics" in said, said
 
 
 async def test_a_request_read_whose_task_has_not_started_is_not_taken_for_idle(monkeypatch: pytest.MonkeyPatch) -> None:
