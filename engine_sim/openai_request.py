@@ -15,7 +15,6 @@ validated, then refused.
 
 from __future__ import annotations
 
-import email.message
 import json
 import logging
 import math
@@ -32,10 +31,13 @@ from engine_sim.lora import LoraRequest
 from protocol.messages import lax_bool, lax_int
 from protocol.tokenizer import VOCAB_SIZE, BuiltinTokenizer, apply_chat_template
 from protocol.vllm_errors import (
+    UNSUPPORTED_MEDIA_TYPE,
     VALIDATION_ERROR,
+    JsonMediaType,
     error_input,
     field_error,
     json_invalid_error,
+    json_media_type,
     missing_error,
     model_type_error,
     struct_errors,
@@ -84,7 +86,6 @@ _CONTINUE_AND_GENERATE_TEMPLATE = (
     "want the model to continue the final message, and add_generation_prompt when you want to add a header that "
     "will prompt it to start a new assistant message instead."
 )
-_UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
 # Content parts vLLM hands its multimodal processor (renderers/chat_utils.py), which a text-only
 # model has not; the embeddings' parsers ask for a multimodal config first.
 _MEDIA_PARTS = frozenset({"image_url", "input_image", "image_pil", "audio_url", "input_audio", "video_url"})
@@ -209,18 +210,14 @@ def validation_error(details: list[dict[str, Any]] | list[str]) -> SimRequestErr
 
 def check_json_media_type(content_type: str, raw: bytes) -> None:
     """vLLM's validate_json_request, a dependency of its JSON POST routes (completions, chat,
-    /tokenize, /detokenize, the LoRA routes): any media type but application/json (no header
-    included) is a 400. FastAPI decodes a body it reads as JSON (`application/*+json`, or
-    `application/json ;...`, which the check then refuses) first, so a malformed one gets the
-    decode error instead."""
-    if content_type.lower().split(";", 1)[0] == "application/json":
+    /tokenize, /detokenize, the LoRA routes), after FastAPI's decoding of the body
+    (protocol.vllm_errors.json_media_type)."""
+    media = json_media_type(content_type)
+    if media is JsonMediaType.JSON:
         return
-    header = email.message.Message()
-    header["content-type"] = content_type
-    subtype = header.get_content_subtype()
-    if raw and header.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json")):
+    if raw and media is JsonMediaType.DECODED:
         _decode(raw)
-    raise validation_error([_UNSUPPORTED_MEDIA_TYPE])
+    raise validation_error([UNSUPPORTED_MEDIA_TYPE])
 
 
 def malformed_json_error(exc: json.JSONDecodeError) -> SimRequestError:

@@ -4,10 +4,13 @@ the first error's location ("body.n"), the message "N validation error(s):" and 
 dicts, one a line. engine_sim answers every body so; the router answers so for the fields it reads.
 
 The error dicts are pydantic's (lax mode) for a value of a msgspec-described type: `type_errors`.
+The media types a JSON route takes are vLLM's too: `json_media_type`.
 """
 
 from __future__ import annotations
 
+import email.message
+import enum
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -17,11 +20,14 @@ import msgspec
 from protocol.messages import lax_bool, lax_int
 
 __all__ = [
+    "UNSUPPORTED_MEDIA_TYPE",
     "VALIDATION_ERROR",
     "Detail",
+    "JsonMediaType",
     "error_input",
     "field_error",
     "json_invalid_error",
+    "json_media_type",
     "missing_error",
     "model_type_error",
     "struct_errors",
@@ -32,6 +38,9 @@ __all__ = [
 
 VALIDATION_ERROR = "Bad Request"
 """The error `type` of vLLM's 400 for a body its pydantic model refuses (before its endpoint runs)."""
+
+UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
+"""validate_json_request's error, text only, for a body on a JSON route sent as another media type."""
 
 _MAX_REPORTED_ERRORS = 10  # vLLM's validation handler reports this many, then counts the rest
 _MAX_ERROR_INPUT_CHARS = 200
@@ -89,6 +98,30 @@ def json_invalid_error(pos: int, why: str) -> dict[str, Any]:
     (json.JSONDecodeError's `pos` and `msg`)."""
     return {"type": "json_invalid", "loc": f"body.{pos}", "msg": "JSON decode error", "input": "<dict of 0 items>",
             "ctx": {"error": why}}  # fmt: skip
+
+
+class JsonMediaType(enum.Enum):
+    """What vLLM makes of a body on a JSON route (completions, chat, /tokenize, /detokenize) by its
+    Content-Type: `json_media_type`."""
+
+    JSON = "json"  # taken
+    DECODED = "decoded"  # refused (UNSUPPORTED_MEDIA_TYPE), but a body is decoded as JSON first
+    REFUSED = "refused"  # refused, the body unread
+
+
+def json_media_type(content_type: str) -> JsonMediaType:
+    """vLLM's validate_json_request takes `application/json` alone (any case, parameters after `;`),
+    no header included. FastAPI decodes a body sent as `application/json` or `application/*+json`
+    by the stdlib's email parser (`application/vnd.api+json`, `application/json ;...`) before that
+    check runs, so a malformed one gets its `json_invalid` error, a well-formed one the refusal."""
+    if content_type.lower().split(";", 1)[0] == "application/json":
+        return JsonMediaType.JSON
+    header = email.message.Message()
+    header["content-type"] = content_type
+    subtype = header.get_content_subtype()
+    if header.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json")):
+        return JsonMediaType.DECODED
+    return JsonMediaType.REFUSED
 
 
 def type_errors(loc: str, value: Any, t: msgspec.inspect.Type) -> list[dict[str, Any]]:

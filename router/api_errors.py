@@ -24,7 +24,14 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from protocol.vllm_errors import VALIDATION_ERROR, Detail, json_invalid_error, validation_message, validation_param
+from protocol.vllm_errors import (
+    UNSUPPORTED_MEDIA_TYPE,
+    VALIDATION_ERROR,
+    Detail,
+    json_invalid_error,
+    validation_message,
+    validation_param,
+)
 from router.client_buffers import bound_unsent
 from router.leg import LegError
 from router.metrics import RouterMetrics
@@ -161,7 +168,6 @@ def leg_error(exc: LegError, *, streaming: bool = False) -> ApiError:
 
 _MIDWAY = "the worker serving the request failed while streaming it"
 NO_LOCAL_PREFILL_WHY = "no prefill worker could serve the request for a decode worker that cannot prefill locally"
-_UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
 
 
 # vLLM 0.32 serves these; kvswitch does not route them (docs/router.md, "Endpoints").
@@ -316,19 +322,29 @@ def validation_failed(details: Sequence[Detail], *, close: bool = False) -> ApiE
     return ApiError(400, validation_message(details), validation_param(details), close=close, kind=VALIDATION_ERROR)
 
 
-def not_json(raw: bytes, exc: Exception) -> ApiError:
-    """A body msgspec could not decode: vLLM's 400 (FastAPI's json_invalid error: the stdlib
-    decoder's offset and words) where the stdlib refuses it too; the router's own where only msgspec
-    does (NaN, Infinity, 1e400, which vLLM reads and the router could not send on as JSON)."""
+def _json_invalid(raw: bytes, *, close: bool = False) -> ApiError | None:
+    """vLLM's 400 for a body the stdlib's json.loads (FastAPI's reader) refuses: FastAPI's
+    json_invalid error, the decoder's offset and words; None where it reads it."""
     try:
         json.loads(raw)
     except json.JSONDecodeError as err:
-        return validation_failed([json_invalid_error(err.pos, err.msg)])
-    except (ValueError, RecursionError):  # not UTF-8, or nested past Python's limit
+        return validation_failed([json_invalid_error(err.pos, err.msg)], close=close)
+    except (ValueError, RecursionError):  # not in a JSON encoding, or nested past Python's limit
         pass
-    return ApiError(400, f"the body is not valid JSON: {exc}", "body")
+    return None
 
 
-def unsupported_media_type(*, close: bool) -> ApiError:
-    """vLLM's 400, in its body, for a body on a JSON route sent as another media type."""
-    return validation_failed([_UNSUPPORTED_MEDIA_TYPE], close=close)
+def not_json(raw: bytes, exc: Exception) -> ApiError:
+    """A body msgspec could not decode: vLLM's 400 where the stdlib refuses it too; the router's own
+    where only msgspec does (NaN, Infinity, 1e400, which vLLM reads and the router could not send on
+    as JSON)."""
+    return _json_invalid(raw) or ApiError(400, f"the body is not valid JSON: {exc}", "body")
+
+
+def unsupported_media_type(*, close: bool, decoded: bytes = b"") -> ApiError:
+    """vLLM's 400, in its body, for a body on a JSON route sent as another media type. `decoded`: a
+    body FastAPI decodes as JSON before that check (protocol.vllm_errors.JsonMediaType.DECODED),
+    whose decode error comes instead where it has one."""
+    if decoded and (invalid := _json_invalid(decoded, close=close)) is not None:
+        return invalid
+    return validation_failed([UNSUPPORTED_MEDIA_TYPE], close=close)

@@ -75,6 +75,7 @@ from protocol.messages import (
     ENGINE_HEADERS,
 )
 from protocol.version import BUILD
+from protocol.vllm_errors import JsonMediaType, json_media_type
 from router.admission import Overloaded
 from router.api_errors import (
     ApiError,
@@ -557,9 +558,11 @@ class _Handlers:
 
     async def _json_body(self, request: web.Request) -> Any:
         # vLLM's validate_json_request guards its JSON routes: any other media type (none included)
-        # is a 400, whatever the body holds. It is also what keeps a web page from having a browser
-        # post a text/plain body here, which needs no CORS preflight.
-        if request.headers.get("Content-Type", "").lower().split(";", 1)[0] != "application/json":
+        # is a 400, but a body FastAPI decodes first (application/*+json) gets its decode error where
+        # it has one (protocol.vllm_errors.json_media_type). It is also what keeps a web page from
+        # having a browser post a text/plain body here, which needs no CORS preflight.
+        media = json_media_type(request.headers.get("Content-Type", ""))
+        if media is JsonMediaType.REFUSED:
             raise await self._not_json_type(request)
         limit = self.limits.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
@@ -567,6 +570,8 @@ class _Handlers:
                            "body", close=True)  # fmt: skip
         await send_continue(request)
         raw = await self._read(request)
+        if media is JsonMediaType.DECODED:
+            raise unsupported_media_type(close=False, decoded=raw)
         if not raw:  # engine_sim's reading: no JSON object
             raise ApiError(400, NOT_AN_OBJECT)
         try:

@@ -554,6 +554,36 @@ async def test_a_body_not_sent_as_application_json_is_refused_as_vllm_refuses_it
     assert answers[0][0] == 400 and "Unsupported Media Type" in answers[0][1]["error"]["message"]
 
 
+_OOPS = b'{"prompt": oops}'  # `oops` at character 11
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+@pytest.mark.parametrize(
+    ("content_type", "data", "said"),
+    [
+        ("application/vnd.api+json", _OOPS, "'loc': 'body.11'"),
+        ("application/merge-patch+json", _OOPS, "'loc': 'body.11'"),
+        ("application/json ;x", _OOPS, "'loc': 'body.11'"),
+        ("application/vnd.api+json", json.dumps({"model": MODEL, "prompt": "abc"}).encode(), "Unsupported Media"),
+        ("application/vnd.api+json", b'{"prompt": NaN}', "Unsupported Media"),  # json.loads reads NaN
+        ("application/vnd.api+json", b"", "Unsupported Media"),
+        ("text/plain", _OOPS, "Unsupported Media"),
+    ],
+)
+async def test_a_json_media_type_vllm_decodes_first_gets_its_decode_error(
+    agg: Cluster, http: aiohttp.ClientSession, path: str, content_type: str, data: bytes, said: str
+) -> None:
+    """FastAPI decodes an `application/*+json` body (and `application/json ;...`) as JSON before vLLM's
+    validate_json_request refuses its media type, so a malformed one gets its json_invalid error; the
+    router answered "Unsupported Media Type" whatever such a body held."""
+    answers = []
+    for url in (agg.routers[0].url, agg.workers[0].sim.url):
+        async with http.post(url + path, data=data, headers={"Content-Type": content_type}) as r:
+            answers.append((r.status, await r.json(content_type=None)))
+    assert answers[0] == answers[1], answers
+    assert answers[0][0] == 400 and said in answers[0][1]["error"]["message"], answers
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_text_prompt_past_the_context_gets_the_engines_own_error(
     agg: Cluster, http: aiohttp.ClientSession, stream: bool
