@@ -334,11 +334,11 @@ def _json_invalid(raw: bytes, *, close: bool = False) -> ApiError | None:
     return None
 
 
-def not_json(raw: bytes, exc: Exception) -> ApiError:
-    """A body msgspec could not decode: vLLM's 400 where the stdlib refuses it too; the router's own
-    where only msgspec does (NaN, Infinity, 1e400, which vLLM reads and the router could not send on
-    as JSON)."""
-    return _json_invalid(raw) or ApiError(400, f"the body is not valid JSON: {exc}", "body")
+def not_json(raw: bytes, why: object) -> ApiError:
+    """A body msgspec could not decode: vLLM's 400 where the stdlib refuses it too; the router's own,
+    saying `why`, where only msgspec does (NaN, Infinity, 1e400, which vLLM reads and the router
+    could not send on as JSON)."""
+    return _json_invalid(raw) or ApiError(400, f"the body is not valid JSON: {why}", "body")
 
 
 def unsupported_media_type(*, close: bool, decoded: bytes = b"") -> ApiError:

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
@@ -81,13 +80,13 @@ from router.api_errors import (
     ApiError,
     json_response,
     leg_error,
-    not_json,
     openai_errors,
     plan_error,
     prompt_too_long,
     unsupported_media_type,
 )
 from router.api_keys import ApiKeys
+from router.body_json import decode_json
 from router.client_buffers import ROOM_RETRY_S, SLICE_BYTES, SPARE_BYTES, HeldAnswer
 from router.dispatch import Job
 from router.expectations import ExpectRoutes, expectations, expects_continue, send_continue
@@ -113,35 +112,6 @@ __all__ = ["Drain", "HttpLimits", "make_app"]
 
 log = logging.getLogger(__name__)
 _JSON = msgspec.json.Encoder()
-_DECODE_JSON = msgspec.json.Decoder()
-
-
-def _decode_json(raw: bytes) -> Any:
-    """The body's JSON, or the 400 for it (not_json). Only one msgspec refused pays for a look at
-    its encoding."""
-    try:
-        return _DECODE_JSON.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        utf8 = _as_utf8(raw)
-        if utf8 is None:
-            raise not_json(raw, exc) from exc
-    try:
-        return _DECODE_JSON.decode(utf8)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise not_json(utf8, exc) from exc
-
-
-def _as_utf8(raw: bytes) -> bytes | None:
-    """The body in UTF-8 when it is in another encoding the stdlib's json.loads detects (a UTF-8
-    BOM, UTF-16 or UTF-32, with or without one), as vLLM reads a body (Starlette's json.loads of its
-    bytes); else None. Until 2026-12-07 those bodies were the router's own 400."""
-    encoding = json.detect_encoding(raw)
-    if encoding == "utf-8":
-        return None
-    try:
-        return raw.decode(encoding).encode()
-    except UnicodeError:  # not that encoding after all: not_json says what
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -575,7 +545,7 @@ class _Handlers:
         if not raw:  # engine_sim's reading: no JSON object
             raise ApiError(400, NOT_AN_OBJECT)
         try:
-            return _decode_json(raw)
+            return decode_json(raw)
         except RecursionError:
             raise ApiError(400, "the body's JSON is nested too deeply", "body") from None
 

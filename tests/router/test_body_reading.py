@@ -75,6 +75,27 @@ async def test_a_json_body_in_an_encoding_vllm_detects_is_read_as_vllm_reads_it(
         assert r.status == 200, await r.text()
 
 
+@pytest.mark.parametrize("encoding", ["utf-8", *_ENCODINGS])
+async def test_the_routers_own_refusal_of_a_body_names_a_place_in_the_clients_bytes(
+    cluster: Cluster, http: aiohttp.ClientSession, encoding: str
+) -> None:
+    """JSON vLLM reads and the router refuses (NaN, a raw lone surrogate), in any encoding vLLM
+    detects: a UTF-16 or UTF-32 body's NaN was quoted at its byte in the router's UTF-8 copy
+    ("invalid character (byte 58)"), and a raw lone surrogate, read as UTF-8 there, got words about
+    other bytes ("object keys must be strings (byte 1)"; a UTF-8 body's, "Invalid UTF-8 encoded string")."""
+    router = await cluster.add_router()
+    json_type = {"Content-Type": "application/json"}
+    nan = json.dumps({"model": MODEL, "prompt": "h\u00e9 \U0001f600", "temperature": float("nan")}, ensure_ascii=False)
+    lone = json.dumps({"model": MODEL, "prompt": "h\u00e9"}, ensure_ascii=False).replace("\u00e9", "\u00e9\ud800")
+    for text, at, said in ((nan, "NaN", "invalid character"), (lone, "\ud800", "a lone surrogate, U+D800")):
+        body = text.encode(encoding, "surrogatepass")
+        offset = len(text[: text.index(at)].encode(encoding, "surrogatepass"))  # the BOM's bytes included
+        async with http.post(router.url + "/v1/completions", data=body, headers=json_type) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+        assert error["param"] == "body" and error["message"].endswith(f"{said} (byte {offset})"), (encoding, error)
+
+
 async def _pipelined(url: str, requests: list[bytes]) -> list[tuple[bytes, bytes]]:
     """The heads and bodies of the answers to `requests`, sent at once on one connection, as
     many as came before it closed (or 5 s passed)."""
