@@ -25,7 +25,7 @@ from opentelemetry.trace import INVALID_SPAN
 # Imported in the child run with each tree on PYTHONPATH, so each tree's own router.leg is measured
 from protocol import GenerateRequest, ResponseChunk
 from router.client_buffers import ClientBuffers
-from router.leg import Leg
+from router.leg import Leg, RoundTrip
 
 
 class IdleOwner:
@@ -50,8 +50,8 @@ class IdleOwner:
     async def connected(self) -> bool:
         return True
 
-    async def answers(self) -> bool:
-        return True
+    async def answers(self) -> RoundTrip:
+        return RoundTrip.PROMPT
 
     def back_within(self, window_s: float, since: float | None = None) -> bool:
         return False

@@ -114,7 +114,7 @@ from router.client_buffers import CLIENT_BUFFER_MIB, ClientBuffers
 from router.disagg import RoutePlan
 from router.eligibility import MALFORMED_COOLDOWN_S
 from router.fleet_lines import FleetLines, FleetLog
-from router.leg import MAX_ANSWER_BYTES, NO_LOCAL_PREFILL, SLOW_READER, Leg, LegError, time_up
+from router.leg import MAX_ANSWER_BYTES, NO_LOCAL_PREFILL, SLOW_READER, Leg, LegError, RoundTrip, time_up
 from router.leg_failures import LegFailures
 from router.policies import Outcome, Path
 from router.prefill_watch import PrefillWatch
@@ -411,7 +411,7 @@ class Dispatcher:
 
     @property
     def lost_at(self) -> float | None:
-        """time.monotonic() the router's NATS connection last dropped, or was found hung (answers)."""
+        """time.monotonic() the router's NATS connection last dropped."""
         return self._nats_lost_at
 
     def nats_back(self) -> None:
@@ -448,13 +448,14 @@ class Dispatcher:
             await asyncio.sleep(_RECONNECT_POLL_S)
         return True
 
-    async def answers(self) -> bool:
-        """NATS answers a round trip, or does again within the wait `connected` gives: a hung server
-        (stopped, or behind a partition that drops packets) leaves the connection up until nats-py's
-        own PINGs go unanswered, and each leg in flight went silent, its worker blamed and left out
-        as unreachable (replica audit of 2026-12-07). One round trip at a time, for every leg that
-        asks. One that came back later than a heartbeat is an outage that ended (`back_within`):
-        the chunks held up in it come late."""
+    async def answers(self) -> RoundTrip:
+        """Whether NATS answers a round trip, or does again within the wait `connected` gives: a
+        hung server (stopped, or behind a partition that drops packets) leaves the connection up
+        until nats-py's own PINGs go unanswered, and each leg in flight went silent, its worker
+        blamed and left out as unreachable (replica audit of 2026-12-07). One round trip at a time,
+        for every leg that asks; LATE when it came back more than a heartbeat after it was asked. A
+        late answer is no outage: recorded as one (`lost_at`, `back_within`), a NATS slow all along
+        made each a new one, which excused "no responders" replies and every dead worker's silence."""
         wait = self._settings().stream_heartbeat_s
         until = time.monotonic() + 3 * wait
         while True:
@@ -464,11 +465,9 @@ class Dispatcher:
             probe, asked = self._probe, self._probe_at
             await asyncio.wait([probe], timeout=max(until - time.monotonic(), 0.0))
             if probe.done() and probe.result():
-                if time.monotonic() - asked > wait:
-                    self._nats_lost_at, self._nats_back_at = asked, time.monotonic()
-                return True
+                return RoundTrip.LATE if time.monotonic() - asked > wait else RoundTrip.PROMPT
             if time.monotonic() >= until:
-                return False
+                return RoundTrip.NONE
             if probe.done():  # no connection to ask on: it may come back
                 await asyncio.sleep(_RECONNECT_POLL_S)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections import deque
@@ -36,6 +37,7 @@ __all__ = [
     "Leg",
     "LegError",
     "LegOwner",
+    "RoundTrip",
     "time_up",
 ]
 
@@ -58,6 +60,15 @@ def time_up(deadline: float) -> bool:
     """The request's deadline (time.monotonic()) has passed: a retry or fallback leg would not be
     sent (Dispatcher._open), so none is begun, counted or logged."""
     return time.monotonic() >= deadline
+
+
+class RoundTrip(enum.Enum):
+    """How the router's NATS answered a round trip asked before a silent leg's worker is blamed
+    (LegOwner.answers)."""
+
+    NONE = "none"  # not within three heartbeats: hung, or down
+    PROMPT = "prompt"
+    LATE = "late"  # after more than a heartbeat: what it held up comes late
 
 
 class LegError(Exception):
@@ -147,7 +158,7 @@ class LegOwner(Protocol):
     def awake_for(self) -> float: ...
     def is_connected(self) -> bool: ...
     async def connected(self) -> bool: ...
-    async def answers(self) -> bool: ...
+    async def answers(self) -> RoundTrip: ...
     def back_within(self, window_s: float, since: float | None = None) -> bool: ...
     @property
     def buffers(self) -> ClientBuffers: ...  # the replica's bytes held for clients: a stream's queue counts
@@ -211,6 +222,7 @@ class Leg:
         self.sent_at = time.monotonic()  # its request goes out as it is made (Dispatcher._open)
         self.heard_at = self.sent_at  # when it was sent, or its last chunk came
         self._graced_for: float | None = None  # the outage (Dispatcher.lost_at) it waited one more window for
+        self._late_graced = False  # it waited one more window for a round trip answered late (_through_hang)
         self._cut: list[bytes] = []  # the pieces of an event cut short (ResponseChunk.continued), and its tokens
         self._cut_tokens = 0
 
@@ -437,11 +449,20 @@ class Leg:
         drops packets), and each leg in flight ended as worker_silent, its worker left out as
         unreachable (replica audit of 2026-12-07). With no round trip answered within the wait a
         dropped connection gets (Dispatcher.answers), the leg fails as a dropped one does; one
-        answered late is an outage that ended (`_through_outage`). True when the leg should wait
-        again."""
-        if not await self.owner.answers():
+        answered late may have held the worker's chunks up: one more window, once per leg, since a
+        NATS slow all along (busy, a lossy link) answers every round trip late and a dead worker
+        was never blamed, its request a 504 at its deadline. True when the leg should wait again."""
+        answer = await self.owner.answers()
+        if answer is RoundTrip.NONE:
             raise LegError(self.worker, 503, NATS_LOST, NATS_LOST_WHY, retryable=False, role=self.role)
-        return await self._through_outage(silence_s)
+        if await self._through_outage(silence_s):  # it dropped and came back while asked
+            return True
+        if answer is RoundTrip.PROMPT or self._late_graced:
+            return False
+        self._late_graced = True
+        if self._heard_from():
+            await self._resume(counted=False)
+        return True
 
     def _heard_from(self) -> bool:
         """Whether silence now means chunks lost on the way rather than a dead worker: a stream's

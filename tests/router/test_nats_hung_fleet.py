@@ -16,12 +16,7 @@ from kvswitch.servers import NatsServer
 from runtime.nats_flush import nats_answers
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
-from tests.runtime.frozen import frozen
-
-
-def _stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()[0] == "T"
+from tests.runtime.frozen import frozen, stopped
 
 
 async def test_a_frozen_nats_server_does_not_answer_the_probe_and_a_live_one_does() -> None:
@@ -32,7 +27,7 @@ async def test_a_frozen_nats_server_does_not_answer_the_probe_and_a_live_one_doe
         try:
             assert await nats_answers(nc, 1)
             with frozen(pid):
-                await until(lambda: _stopped(pid), what="nats-server stopped")  # SIGSTOP lands late
+                await until(lambda: stopped(pid), what="nats-server stopped")  # SIGSTOP lands late
                 assert not await nats_answers(nc, 1)
             assert await nats_answers(nc, 1)  # the late PONG did not break the connection's reading
         finally:

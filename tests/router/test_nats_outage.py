@@ -21,17 +21,20 @@ from nats.aio.msg import Msg
 from kvswitch.servers import NatsServer
 from protocol import GenerateRequest
 from protocol.config import RouterSettings
+from router import dispatch
 from router.disagg import RoutePlan
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility
+from router.leg import RoundTrip
 from router.policies import Outcome, Path
+from runtime import nats_flush
 from tests.relay import Relay
 from tests.router.builders import cand, ctx
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
 from tests.router.test_dispatch import HB, Books, answer, job
 from tests.router.test_dispatch import Worker as DispatchWorker
-from tests.runtime.frozen import frozen
+from tests.runtime.frozen import frozen, stopped
 
 
 @pytest.fixture
@@ -170,6 +173,57 @@ async def test_a_nats_blip_long_reconnected_does_not_excuse_a_dead_worker(own_na
         await workers_nc.close()
 
 
+async def test_a_nats_that_answers_every_round_trip_late_excuses_a_dead_worker_once(
+    own_nats: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every round trip answered later than a heartbeat (NATS busy, a lossy link): each late answer
+    was recorded as an outage that ended, a new one each time, and each bought the dead worker's
+    leg one more window, so it was never blamed nor its request retried: a 504 at the request's
+    deadline (replica review of 2026-12-07). Now a late answer buys a leg one window, once, and is
+    no outage of the connection's."""
+    real = nats_flush.nats_answers
+    asked: list[float] = []
+
+    async def late(nc: Client, timeout_s: int) -> bool:
+        asked.append(time.monotonic())
+        await asyncio.sleep(1.5 * HB)
+        return await real(nc, timeout_s)
+
+    monkeypatch.setattr(dispatch, "nats_answers", late)
+    nc = await nats.connect(own_nats.url)
+    workers_nc = await nats.connect(own_nats.url)
+    unreachable: list[str] = []
+    d = Dispatcher(
+        nc,
+        "ns1",
+        Books(),
+        settings=lambda: RouterSettings(stream_heartbeat_s=HB),
+        on_unreachable=lambda w, why: unreachable.append(w),
+    )
+    await d.start()
+
+    async def dead(_nc: Client, _msg: Msg, _req: GenerateRequest) -> None:
+        return None  # took the leg, then its process died
+
+    await DispatchWorker(workers_nc, "ns1", "w1").serve("decode", dead)
+    await DispatchWorker(workers_nc, "ns1", "w2").serve("decode", answer)
+    c = ctx(64, [cand("w2")], [])
+    retry = RoutePlan(
+        c, c.decode_pool[0], None, Path.BYPASS, Outcome.DECLINED_POLICY, "", c.decode_pool, [], key="r1#2"
+    )
+    try:
+        async with asyncio.timeout(5.0):  # the job's deadline is 30 s: before, it ran into it
+            out = [chunk async for chunk in d.run(job("w1", replans=[retry]))]
+        assert [c.token_ids for c in out] == [[5], [6]]  # w2's answer
+        assert d.retries == 1 and unreachable == ["w1"]
+        assert len(asked) == 2  # one more window after the first late answer, none after the second
+        assert d.lost_at is None and not d.back_within(3 * HB)  # no outage: the connection never dropped
+    finally:
+        await d.stop()
+        await nc.close()
+        await workers_nc.close()
+
+
 async def test_a_stream_in_flight_through_a_hung_nats_fails_as_the_routers_outage_blaming_no_worker(
     cluster: Cluster, http: aiohttp.ClientSession, own_nats: NatsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -242,26 +296,30 @@ async def test_a_nats_that_answers_late_is_an_outage_that_ended_and_one_that_doe
 ) -> None:
     """Dispatcher.answers, asked as a leg's worker would be blamed: a server hung past the wait is
     no answer (the leg fails as the router's outage); one that answers after more than a heartbeat
-    was an outage that ended, which buys the leg one more window as a reconnect does."""
+    is late (a leg's one more window), and no outage of the connection's."""
     assert own_nats.proc is not None
     nc = await nats.connect(own_nats.url)
     d = Dispatcher(nc, "ns1", Books(), settings=lambda: RouterSettings(stream_heartbeat_s=HB))
     try:
-        assert await d.answers() and d.lost_at is None  # a live server: no outage
+        assert await d.answers() is RoundTrip.PROMPT  # a live server
         pid = own_nats.proc.pid
         with frozen(pid):
-            assert not await d.answers()  # hung for all of the wait (3 heartbeats)
-        assert await d.answers()  # its round trip answered once the server went on
+            await until(lambda: stopped(pid), what="nats-server stopped")  # SIGSTOP lands late
+            assert await d.answers() is RoundTrip.NONE  # hung for all of the wait (3 heartbeats)
+        assert await d.answers() is not RoundTrip.NONE  # its round trip answered once the server went on
         heard_at = time.monotonic()
+        hung = asyncio.Event()
 
         async def thaw() -> None:
             with frozen(pid):
+                await until(lambda: stopped(pid), what="nats-server stopped")
+                hung.set()
                 await asyncio.sleep(1.5 * HB)
 
         thawing = asyncio.create_task(thaw())
-        await asyncio.sleep(0)  # stopped before it is asked
-        assert await d.answers()
+        await hung.wait()  # stopped before it is asked
+        assert await d.answers() is RoundTrip.LATE
         await thawing
-        assert d.lost_at is not None and d.back_within(3 * HB, since=heard_at)
+        assert d.lost_at is None and not d.back_within(3 * HB, since=heard_at)
     finally:
         await nc.close()

@@ -19,3 +19,10 @@ def frozen(pid: int) -> Iterator[None]:
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def stopped(pid: int) -> bool:
+    """Whether `pid` is stopped now: SIGSTOP lands late on a loaded machine, and a server asked
+    meanwhile still answers."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] == "T"
