@@ -45,22 +45,34 @@ SETTLE_S = 2.0
 
 
 def settings_fields(settings: RouterSettings, *, calibrated: bool = True) -> dict[str, str]:
-    """The settings a replica routes with, each as its JSON text: what `settings_digest` is of and
-    what RouterInfo.settings carries, for a peer to name the ones that differ. `calibrated`: the
-    process flag `--no-calibration` off; a replica that prices workers by their profiles alone
-    admits and chooses paths otherwise than one that fits them (a forgotten
-    KVSWITCH_NO_CALIBRATION was no difference a peer saw). Counted only when off, so a calibrating
-    replica's digest is what it was before."""
-    fields = msgspec.to_builtins(settings)
+    """The settings a replica routes with, each by its flag's name (nested Structs flattened, as
+    protocol.config.add_flags names them: `conditional`'s fields are --eff-isl-threshold and the
+    rest, no --conditional) and as its JSON text: what RouterInfo.settings carries, for a peer to
+    name the ones that differ. `calibrated` as in `settings_digest`."""
+    fields = _flat(settings)
     if not calibrated:
         fields["calibration"] = False
     return _texts(fields)
 
 
 def settings_digest(settings: RouterSettings, *, calibrated: bool = True) -> str:
-    """12 hex digits of a SHA-256 over the settings' JSON, keys sorted: equal settings give equal
-    digests in every process (`settings_fields`)."""
-    return _digest(settings_fields(settings, calibrated=calibrated))
+    """12 hex digits of a SHA-256 over the settings' JSON, nested, keys sorted: equal settings give
+    equal digests in every process. `calibrated`: the process flag `--no-calibration` off; a
+    replica that prices workers by their profiles alone admits and chooses paths otherwise than one
+    that fits them (a forgotten KVSWITCH_NO_CALIBRATION was no difference a peer saw). Counted only
+    when off, so a calibrating replica's digest is what it was before."""
+    fields = msgspec.to_builtins(settings)
+    if not calibrated:
+        fields["calibration"] = False
+    return _digest(fields)
+
+
+def _flat(settings: msgspec.Struct) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in settings.__struct_fields__:
+        value = getattr(settings, name)
+        out.update(_flat(value) if isinstance(value, msgspec.Struct) else {name: msgspec.to_builtins(value)})
+    return out
 
 
 def rendering_fields(
@@ -87,19 +99,16 @@ def rendering_fields(
 
 
 def rendering_digest(tokenizer: str, **flags: Any) -> str:
-    """12 hex digits of a SHA-256 over `rendering_fields`, as `settings_digest`."""
-    return _digest(rendering_fields(tokenizer, **flags))
+    """12 hex digits of a SHA-256 over `rendering_fields`' values, as `settings_digest`."""
+    return _digest({name: msgspec.json.decode(text) for name, text in rendering_fields(tokenizer, **flags).items()})
 
 
 def _texts(fields: Mapping[str, Any]) -> dict[str, str]:
     return {name: msgspec.json.encode(value, order="sorted").decode() for name, value in fields.items()}
 
 
-def _digest(texts: Mapping[str, str]) -> str:
-    # Of the values, not their texts: the digest a router published before RouterInfo.settings
-    return hashlib.sha256(
-        msgspec.json.encode({k: msgspec.json.decode(v) for k, v in texts.items()}, order="sorted")
-    ).hexdigest()[:12]
+def _digest(values: Mapping[str, Any]) -> str:
+    return hashlib.sha256(msgspec.json.encode(values, order="sorted")).hexdigest()[:12]
 
 
 class _Diff(msgspec.Struct, frozen=True):
@@ -258,7 +267,7 @@ def _named(theirs: Mapping[str, str], ours: Mapping[str, str]) -> str:
 
 
 def _flag(name: str) -> str:
-    """A setting's flag (router.cli: each RouterSettings field is one of its name)."""
+    """A setting's flag (router.cli: each flat RouterSettings name, `settings_fields`', is one of its name)."""
     if name == "calibration":
         return "--no-calibration (calibration)"
     if name == "tokenizer":

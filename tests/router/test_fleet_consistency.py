@@ -6,11 +6,13 @@ etcd."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextvars
 import datetime
 import json
 import logging
+import re
 import shutil
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -26,9 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from discovery import Discovery, WatchEvent
 from engine_sim.lora import LoraModule
 from protocol import RouterInfo, WorkerInfo, encode_json, subjects
-from protocol.config import EtcdSettings, RouterSettings
+from protocol.config import ConditionalDisaggConfig, EtcdSettings, RouterSettings
 from protocol.version import BUILD, __version__
-from router import tokenization
+from router import cli, tokenization
 from router.peer_settings import SETTLE_S, PeerSettings, rendering_digest, settings_digest, settings_fields
 from router.service import RouterConfig, RouterService
 from router.tokenization import ChatOptions, load_tokenizer, tokenizer_fingerprint
@@ -777,6 +779,42 @@ def test_a_peer_is_told_by_the_flags_it_sets_otherwise_and_one_that_publishes_no
     peers.seen("p", info({}))  # a router before RouterInfo.settings: its digest alone
     (warning,) = peers.warnings()
     assert "set otherwise" not in warning and settings_digest(other, calibrated=False) in warning
+
+
+def test_a_peer_of_other_conditional_disagg_settings_is_told_by_their_own_flags() -> None:
+    """The conditional disaggregation settings, nested in RouterSettings, were named as one
+    `--conditional`, which is no flag, with the whole struct as its value (review of 2026-12-07):
+    each is named by its own flag, one the router's parser takes."""
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    now = [0.0]
+    mine = RouterSettings()
+    other = RouterSettings(conditional=ConditionalDisaggConfig(eff_isl_threshold=123))
+    assert settings_digest(mine) == "692031a217bb"  # as before the settings were named flat
+    peers = PeerSettings("ns", settings_digest(mine), "0.1.0", settings=settings_fields(mine), clock=lambda: now[0])
+
+    def warning(fields: dict[str, str]) -> str:
+        info = RouterInfo(
+            router="p", http_url="", started_at=0.0, version="0.1.0", settings_digest="0" * 12, settings=fields
+        )
+        peers.seen("p", info)
+        now[0] += SETTLE_S
+        (said,) = peers.warnings()
+        return said
+
+    said = warning(settings_fields(other))
+    assert "set otherwise: --eff-isl-threshold 123 (this router's 2048):" in said, said
+    assert parser.parse_args(["--eff-isl-threshold", "123"]).eff_isl_threshold == 123
+    # Every setting a peer can publish, each set otherwise alone: named by one of the router's flags
+    fields = settings_fields(mine, calibrated=False)
+    peers.mine("1" * 12, fields)
+    named = set()
+    for name in fields:
+        said = warning({**fields, name: "7"})
+        (flag,) = re.findall(r"set otherwise: (--[a-z-]+)[^,:]* 7 \(this router's [^)]*\):", said)
+        assert flag in parser._option_string_actions, said
+        named.add(flag)
+    assert len(named) == len(fields) > 20
 
 
 class _EarlyTimers(asyncio.SelectorEventLoop):
