@@ -820,7 +820,7 @@ class _Handlers:
         chunk = first
         failed: ApiError | None = None
         why = ""  # a worker's failure, said once at WARNING (a bug is said with its traceback)
-        refused = False  # the engine refused or turned away the request: said at INFO
+        refused = False  # the engine refused the request (the client's fault): said at INFO
         unread = False  # the client took nothing more before the deadline
         try:
             # The events one worker chunk carries go out in one write (one send, one drain).
@@ -837,7 +837,7 @@ class _Handlers:
         except LegError as exc:
             failed = leg_error(exc, streaming=True)
             why = "" if exc.slow_reader else _leg_failure(exc)  # that one the dispatcher said, at INFO
-            refused = exc.refused or exc.busy
+            refused = exc.refused  # not `busy`: a 429 or 408 after output cut the answer for load
         except StopAsyncIteration:
             failed = ApiError(502, "the worker ended the stream early")
             why = failed.message
@@ -858,7 +858,8 @@ class _Handlers:
             if why:
                 rid = job.request.request_id
                 # An engine's refusal (SGLang's 400 for a sampling mask past its limit, after tokens)
-                # is the client's, as one before the first output is: INFO, no worker fault.
+                # is the client's, as one before the first output is: INFO, no worker fault. Its
+                # 429 or 408 then is not: the answer was cut off for the engine's load.
                 level = logging.INFO if refused else logging.WARNING
                 log.log(
                     level,

@@ -77,27 +77,25 @@ class _Refuse(Exception):
     pass
 
 
-async def test_an_engines_refusal_after_its_first_token_is_said_at_info_as_the_clients(
-    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
-) -> None:
-    """SGLang 0.5.23 can refuse a request after tokens (a 400 abort: a sampling mask past
-    --sampling-mask-max-tokens, batch_result_processor.py). Until 2026-12-07 the router said it at
-    WARNING as a worker's failure; now at INFO, as a refusal before the first output is."""
+async def _fails_after_its_first_token(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, error: EngineError
+) -> tuple[RouterService, int, list[logging.LogRecord]]:
+    """A streamed request whose engine sends its first output and then `error`: the router, the
+    error event's code and the router's log records naming the request."""
     worker = await cluster.add_worker("agg")
     router = await cluster.add_ready_router(disagg="never")
     generate = worker.shim.adapter.generate
-    why = "Sampling support exceeds --sampling-mask-max-tokens=64, commonly because of cutoff ties."
 
-    async def refusing(leg: Any, on_output: Any) -> Any:
+    async def failing(leg: Any, on_output: Any) -> Any:
         async def first_only(*output: Any) -> None:
             await on_output(*output)
             raise _Refuse
 
         with contextlib.suppress(_Refuse):
             await generate(leg, first_only)
-        raise EngineError(400, "engine_rejected", why)
+        raise error
 
-    worker.shim.adapter.generate = refusing  # type: ignore[method-assign]
+    worker.shim.adapter.generate = failing  # type: ignore[method-assign]
     caplog.set_level(logging.INFO, logger="router")
     caplog.clear()
     body = {"model": MODEL, "prompt": list(range(50)), "max_tokens": 30, "stream": True, "ignore_eos": True}
@@ -106,14 +104,40 @@ async def test_an_engines_refusal_after_its_first_token_is_said_at_info_as_the_c
         request_id = resp.headers["x-request-id"].removeprefix("cmpl-")
         tail = (await resp.read()).decode()
     (event,) = [line for line in tail.splitlines() if '"error"' in line]
-    assert json.loads(event.removeprefix("data: "))["error"]["code"] == 400, tail
-    assert '"text"' in tail.split(event)[0], "no token went out before the refusal"
-    assert _requests(await _scrape(http, router)) == {("completions", "400"): 1.0}
+    assert '"text"' in tail.split(event)[0], "no token went out before the error"
     said = [r for r in caplog.records if r.name.startswith("router") and request_id in r.getMessage()]
+    return router, json.loads(event.removeprefix("data: "))["error"]["code"], said
+
+
+async def test_an_engines_refusal_after_its_first_token_is_said_at_info_as_the_clients(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang 0.5.23 can refuse a request after tokens (a 400 abort: a sampling mask past
+    --sampling-mask-max-tokens, batch_result_processor.py). Until 2026-12-07 the router said it at
+    WARNING as a worker's failure; now at INFO, as a refusal before the first output is."""
+    why = "Sampling support exceeds --sampling-mask-max-tokens=64, commonly because of cutoff ties."
+    router, code, said = await _fails_after_its_first_token(
+        cluster, http, caplog, EngineError(400, "engine_rejected", why)
+    )
+    assert code == 400
+    assert _requests(await _scrape(http, router)) == {("completions", "400"): 1.0}
     assert [(r.name, r.levelno) for r in said] == [("router.http_api", logging.INFO)], said
     line = said[0].getMessage()
     assert "after its first chunk" in line and why in line and line.endswith("a 400 error event"), line
     assert all(s.routable for s in router.eligibility.statuses(router.registry.workers())), "a worker was blamed"
+
+
+async def test_an_engines_429_after_its_first_token_stays_a_warning(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 429 (or 408) after tokens is no refusal of the request: the engine cut the answer off for
+    its load, which the client did not cause. Said at WARNING, as a worker's failure after the
+    first chunk is (533a703 had said it at INFO with the refusals)."""
+    why = "The server is overloaded: too many running requests."
+    _, code, said = await _fails_after_its_first_token(cluster, http, caplog, EngineError(429, "engine_rejected", why))
+    assert [(r.name, r.levelno) for r in said] == [("router.http_api", logging.WARNING)], said
+    line = said[0].getMessage()
+    assert "after its first chunk" in line and why in line and line.endswith(f"a {code} error event"), line
 
 
 @pytest.mark.parametrize("stream", [True, False])
