@@ -8,8 +8,6 @@ figures are the request context's own arithmetic:
   `ctx.new_blocks(d)`;
 - remote: the prefill worker prefills `ctx.uncached_tokens(p)`; the decode worker allocates
   `ctx.new_blocks(d)` and prefills nothing;
-- either way, the decode worker takes `ctx.cached_blocks(d)` back into use, booked beside for the
-  decode guard alone (this replica's load view: peers are sent the rest);
 - a remote prefill that falls back becomes the bypass booking (the prefill worker's claim goes).
 
 The prompt's blocks also become pending prefixes on the workers that will hold them
@@ -40,7 +38,7 @@ __all__ = ["BookingSink", "Ledger", "LocalSink"]
 
 
 class BookingSink(Protocol):
-    def add(self, key: str, worker: str, tokens: int, blocks: int, *, prefix_blocks: int = 0) -> None: ...
+    def add(self, key: str, worker: str, tokens: int, blocks: int) -> None: ...
     def prefill_done(self, key: str, worker: str | None = None) -> None: ...
     def free(self, key: str) -> None: ...
 
@@ -51,8 +49,8 @@ class LocalSink:
     def __init__(self, view: LoadView) -> None:
         self.view = view
 
-    def add(self, key: str, worker: str, tokens: int, blocks: int, *, prefix_blocks: int = 0) -> None:
-        self.view.book(key, worker, tokens, blocks, prefix_blocks=prefix_blocks)
+    def add(self, key: str, worker: str, tokens: int, blocks: int) -> None:
+        self.view.book(key, worker, tokens, blocks)
 
     def prefill_done(self, key: str, worker: str | None = None) -> None:
         self.view.prefill_done(key, worker=worker)
@@ -74,10 +72,10 @@ class Ledger:
         claims = self._claims[key] = []
         if plan.path is Path.REMOTE and p is not None:
             self.sink.add(key, p.worker, ctx.uncached_tokens(p), 0)
-            self.sink.add(key, d.worker, 0, ctx.new_blocks(d), prefix_blocks=ctx.cached_blocks(d))
+            self.sink.add(key, d.worker, 0, ctx.new_blocks(d))
             self._pending(p, ctx, claims)
         else:
-            self.sink.add(key, d.worker, ctx.uncached_tokens(d), ctx.new_blocks(d), prefix_blocks=ctx.cached_blocks(d))
+            self.sink.add(key, d.worker, ctx.uncached_tokens(d), ctx.new_blocks(d))
         self._pending(d, ctx, claims)
 
     def _pending(self, c: Candidate, ctx: RequestContext, claims: list[Claim]) -> None:
@@ -105,7 +103,7 @@ class Ledger:
             self.sink.add(key, plan.prefill.worker, 0, 0)
             # Unless it prefilled after all (the decode worker's pull failed): that one was settled
             self._end_claims(key, plan.prefill.worker, self.pending.withdraw)
-        self.sink.add(key, d.worker, ctx.uncached_tokens(d), ctx.new_blocks(d), prefix_blocks=ctx.cached_blocks(d))
+        self.sink.add(key, d.worker, ctx.uncached_tokens(d), ctx.new_blocks(d))
 
     def prefill_done(self, key: str, worker: str | None = None) -> None:
         """The first token came: prefill tokens leave every queue the attempt was booked on. With

@@ -90,7 +90,6 @@ class WorkerLoad(msgspec.Struct, frozen=True):
     prefill_inflow: float = 0.0  # prompt tokens per second booked here lately (INFLOW_TAU_S), any router's
     decode_context: float = 0.0  # the decoding requests' mean length, as its shim last reported (0: unknown)
     booked_requests: int = 0  # requests booked here (any router's) that no report counts yet in running or waiting
-    booked_prefix_blocks: int = 0  # cached blocks this router's bookings here take back into use, uncovered like theirs
 
 
 class Liveness(msgspec.Struct, frozen=True):
@@ -113,7 +112,6 @@ class _Booking:
     booked_at: float
     confirmed_at: float  # booked, or last named by its router's snapshot: `expire` counts from it
     prefill_done_at: float | None = None
-    prefix_blocks: int = 0  # this router's own: peers send none (SyncEntry)
     prefill_counted: bool = True  # in its worker's `prefill` sum: not done, no report covers it
     blocks_counted: bool = True  # in its worker's `blocks` sum
     request_counted: bool = True  # in its worker's `requests` count: no report covers it
@@ -136,23 +134,12 @@ class _WorkerBookings:
     entries go once a report with `ts >= prefill_done_at` arrives.
     """
 
-    __slots__ = (
-        "_by_booked",
-        "_by_done",
-        "_by_released",
-        "_order",
-        "blocks",
-        "bookings",
-        "prefill",
-        "prefix",
-        "requests",
-    )
+    __slots__ = ("_by_booked", "_by_done", "_by_released", "_order", "blocks", "bookings", "prefill", "requests")
 
     def __init__(self) -> None:
         self.bookings: set[_Booking] = set()
         self.prefill = 0
         self.blocks = 0
-        self.prefix = 0
         self.requests = 0
         self._by_booked: list[tuple[float, int, _Booking]] = []  # prefill or request counted, by booked_at
         self._by_done: list[tuple[float, int, _Booking]] = []  # prefill done, blocks counted, by prefill_done_at
@@ -163,7 +150,6 @@ class _WorkerBookings:
         self.bookings.add(booking)
         self.prefill += booking.prefill_tokens
         self.blocks += booking.decode_blocks
-        self.prefix += booking.prefix_blocks
         self.requests += 1
         heapq.heappush(self._by_booked, (booking.booked_at, next(self._order), booking))
         self._compact()
@@ -217,7 +203,6 @@ class _WorkerBookings:
         if booking.blocks_counted:
             booking.blocks_counted = False
             self.blocks -= booking.decode_blocks
-            self.prefix -= booking.prefix_blocks
 
     def _uncount_request(self, booking: _Booking) -> None:
         if booking.request_counted:
@@ -313,23 +298,13 @@ class LoadView:
     # --- bookings ------------------------------------------------------------------------------
 
     def book(
-        self,
-        request_id: str,
-        worker: str,
-        prefill_tokens: int,
-        decode_blocks: int,
-        *,
-        router: str | None = None,
-        prefix_blocks: int = 0,
+        self, request_id: str, worker: str, prefill_tokens: int, decode_blocks: int, *, router: str | None = None
     ) -> None:
         """Claim `prefill_tokens` and `decode_blocks` on `worker` for the request (booking the same
-        request on the same worker again replaces the claim). `prefix_blocks`: the prompt's blocks
-        the worker caches, which the request takes back into use there; they count as long as its
-        decode blocks, in `booked_prefix_blocks` only (the decode guard's)."""
-        if prefill_tokens < 0 or decode_blocks < 0 or prefix_blocks < 0:
+        request on the same worker again replaces the claim)."""
+        if prefill_tokens < 0 or decode_blocks < 0:
             raise ValueError(
-                f"booking {request_id}: negative prefill_tokens {prefill_tokens}, decode_blocks {decode_blocks}"
-                f" or prefix_blocks {prefix_blocks}"
+                f"booking {request_id}: negative prefill_tokens {prefill_tokens} or decode_blocks {decode_blocks}"
             )
         requests = self._by_router.get(router)
         if requests is None:
@@ -342,9 +317,7 @@ class LoadView:
                 bookings.remove(old)
                 self._by_worker[worker].discard(old)
         now = self._clock()
-        booking = _Booking(
-            router, request_id, worker, prefill_tokens, decode_blocks, now, now, prefix_blocks=prefix_blocks
-        )
+        booking = _Booking(router, request_id, worker, prefill_tokens, decode_blocks, now, now)
         bookings.append(booking)
         on_worker = self._by_worker.get(worker)
         if on_worker is None:
@@ -520,22 +493,20 @@ class LoadView:
     def load(self, worker: str) -> WorkerLoad:
         """Report plus uncovered bookings; zeros (and `kv_total_blocks` None) before any report."""
         held = self._reports.get(worker)
-        prefill = blocks = released = requests = prefix = 0
+        prefill = blocks = released = requests = 0
         on_worker = self._by_worker.get(worker)
         if on_worker is not None:
             on_worker.cover(held.covers if held is not None else _NO_REPORT)
             released = on_worker.released(held.report.ts) if held is not None else 0
             prefill, blocks, requests = on_worker.prefill, on_worker.blocks, on_worker.requests
-            prefix = on_worker.prefix
             if not on_worker.bookings and not on_worker.holds_releases:
                 del self._by_worker[worker]
         now = self._clock()
         inflow = self._inflow_at(worker, now) if worker in self._inflow else 0.0
         if held is None:
             return WorkerLoad(
-                worker, 0, 0, 0, None, prefill, blocks, None,
-                prefill_inflow=inflow, booked_requests=requests, booked_prefix_blocks=prefix,
-            )  # fmt: skip
+                worker, 0, 0, 0, None, prefill, blocks, None, prefill_inflow=inflow, booked_requests=requests
+            )
         r = held.report
         return WorkerLoad(
             worker=worker,
@@ -552,7 +523,6 @@ class LoadView:
             prefill_inflow=inflow,
             decode_context=r.decode_context,
             booked_requests=requests,
-            booked_prefix_blocks=prefix,
         )
 
     def bookings(self, worker: str) -> int:

@@ -340,10 +340,9 @@ class ReplicaSync:
 
     # --- our bookings --------------------------------------------------------------------------
 
-    def add(self, request_id: str, worker: str, tokens: int, blocks: int, *, prefix_blocks: int = 0) -> None:
-        """Book `tokens` of prefill and `blocks` of decode on `worker`, here and on every peer;
-        `prefix_blocks` here only (LoadView.book: the decode guard's)."""
-        self.view.book(request_id, worker, tokens, blocks, prefix_blocks=prefix_blocks)
+    def add(self, request_id: str, worker: str, tokens: int, blocks: int) -> None:
+        """Book `tokens` of prefill and `blocks` of decode on `worker`, here and on every peer."""
+        self.view.book(request_id, worker, tokens, blocks)
         self._queue(SyncEntry(request_id=request_id, worker=worker, kind="add", tokens=tokens, blocks=blocks))
 
     def prefill_done(self, request_id: str, worker: str | None = None) -> None:

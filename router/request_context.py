@@ -42,8 +42,6 @@ class LoadLike(Protocol):
     def decode_context(self) -> float: ...
     @property
     def booked_requests(self) -> int: ...
-    @property
-    def booked_prefix_blocks(self) -> int: ...
 
 
 class Candidate(msgspec.Struct):
@@ -57,8 +55,7 @@ class Candidate(msgspec.Struct):
     prompt tokens per second booked on it lately, any router's (router.load_view). `decode_context`:
     its decoding requests' mean length as its shim last reported, 0.0 when unknown.
     `booked_requests`: requests booked on it (any router's) that its last report does not count yet
-    in `running` or `waiting`. `booked_prefix_blocks`: the cached prompt blocks this router's bookings
-    on it take back into use, as long as their `active_blocks` share counts (the decode guard's).
+    in `running` or `waiting`.
     """
 
     info: WorkerInfo
@@ -71,7 +68,6 @@ class Candidate(msgspec.Struct):
     prefill_inflow: float = 0.0
     decode_context: float = 0.0
     booked_requests: int = 0
-    booked_prefix_blocks: int = 0
     kv_used_blocks: int = 0
     kv_total_blocks: int | None = None
     healthy: bool = True
@@ -103,7 +99,6 @@ class Candidate(msgspec.Struct):
             prefill_inflow=load.prefill_inflow,
             decode_context=load.decode_context,
             booked_requests=load.booked_requests,
-            booked_prefix_blocks=load.booked_prefix_blocks,
             kv_used_blocks=load.kv_used_blocks,
             kv_total_blocks=load.kv_total_blocks or info.kv_total_blocks,
         )
@@ -176,10 +171,6 @@ class RequestContext:
 
     def uncached_tokens(self, candidate: Candidate) -> int:
         return self.isl - self.cached_tokens(candidate)
-
-    def cached_blocks(self, candidate: Candidate) -> int:
-        """Blocks of the prompt `candidate` caches already: the request takes them back into use."""
-        return self.request_blocks - self.new_blocks(candidate)
 
     def new_blocks(self, candidate: Candidate) -> int:
         """Blocks this request would allocate on `candidate` beyond the ones it already caches."""

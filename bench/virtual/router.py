@@ -153,8 +153,8 @@ class VirtualRouter:
 
     # --- BookingSink: this view now, the peers' after the sync delay -------------------------------
 
-    def add(self, key: str, worker: str, tokens: int, blocks: int, *, prefix_blocks: int = 0) -> None:
-        self.view.book(key, worker, tokens, blocks, prefix_blocks=prefix_blocks)
+    def add(self, key: str, worker: str, tokens: int, blocks: int) -> None:
+        self.view.book(key, worker, tokens, blocks)
         for peer in self.peers:
             self.clock.after(self.delays.sync_s, peer._peer_add, self.name, key, worker, tokens, blocks)
 

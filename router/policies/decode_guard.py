@@ -4,15 +4,17 @@ Rule (DESIGN.md): with decode_busy_threshold set, a bypass is vetoed while
 
     (kv_used_blocks(d) + request_blocks) / kv_total_blocks(d) > decode_busy_threshold   (strict)
 
-where `request_blocks` is all the blocks of this prompt, its prefix d caches included: an engine's
-KV use counts only blocks requests hold (vLLM's usage, engine_sim's BlockPool.num_used), and a
-cached prefix no running request holds is free until this request takes it, so admitting the
-request adds its whole prompt. `kv_used_blocks` is d's KV use as the load view knows it: its last
-report plus what the requests booked on d since take, by the same count (`active_blocks`, the
-blocks they add beyond d's cache, plus `booked_prefix_blocks`, the cached ones they take back), so
-a burst of next turns before d's next report is counted whole. A peer router's bookings count
-their new blocks only (their prefix is not synced) until a report of d's counts them. An upper
-bound: a prefix block a running request shares at that moment is counted twice. Unknown
+where `kv_used_blocks` is d's KV use as the load view knows it (its last report plus the decode
+blocks routers booked on it that no report covers yet, i.e. `active_blocks`), `request_blocks` all
+the blocks of this prompt, its prefix d caches included. An engine's KV use counts only blocks
+requests hold (vLLM's usage, engine_sim's BlockPool.num_used): a cached prefix no running request
+holds is free until this request takes it, so admitting the request adds its whole prompt. That is
+an upper bound for this request: it counts twice the prefix blocks a running request shares at
+that moment. Not for the requests booked on d since its last report: each counts only its blocks
+beyond d's cached prefix (the ledger books those, for selection too), so a burst of next turns
+within one report period is counted low by the idle prefixes they take back, until the report that
+follows their admission (a per-booking prefix count over-counted a prefix the burst shares: review
+of 2026-12-07, docs/decisions.md). Unknown
 capacity (no kv_total_blocks in the report or the worker record) vetoes. Unset threshold: the guard
 is off. Applies to every policy's bypass, not to those the router forces (`bypass_sequences`,
 `bypass_transfer_failing` and the like: router.disagg, docs/decisions.md).
@@ -49,7 +51,7 @@ class DecodeGuard:
         total = d.kv_total_blocks
         if not total:
             return f"decode worker {d.worker}: KV capacity unknown"
-        used = max(d.kv_used_blocks, d.active_blocks + d.booked_prefix_blocks) + ctx.request_blocks
+        used = max(d.kv_used_blocks, d.active_blocks) + ctx.request_blocks
         if used / total > threshold:
             return f"decode worker {d.worker} KV {used}/{total} blocks > {threshold:g}"
         return None

@@ -373,31 +373,6 @@ def test_prefill_inflow_is_an_exponentially_weighted_rate_of_booked_prompt_token
 def test_negative_booking_is_refused_with_the_values(view: LoadView) -> None:
     with pytest.raises(ValueError, match="-5"):
         view.book("r1", "w1", -5, 0)
-    with pytest.raises(ValueError, match="prefix_blocks -3"):
-        view.book("r1", "w1", 0, 0, prefix_blocks=-3)
-
-
-def test_a_bookings_prefix_blocks_count_as_long_as_its_decode_blocks_and_only_for_the_guard(
-    view: LoadView, clock: Clock
-) -> None:
-    """The cached blocks a request takes back into use on its decode worker (the decode guard's
-    share) count until a report as new as its first token, in `booked_prefix_blocks` alone:
-    `active_blocks`, which selection reads, is unchanged. A peer's booking brings none."""
-    view.update(report("d", ts=clock.now - 1, kv_used_blocks=10))
-    view.book("r1", "d", 16, 1, prefix_blocks=20)
-    view.book("r2", "d", 16, 1, prefix_blocks=20)
-    view.book("q1", "d", 16, 1, router="peer")
-    assert (view.load("d").active_blocks, view.load("d").booked_prefix_blocks) == (13, 40)
-    view.book("r2", "d", 16, 2, prefix_blocks=19)  # booked again: replaced
-    assert (view.load("d").active_blocks, view.load("d").booked_prefix_blocks) == (14, 39)
-    view.free("r2")
-    assert view.load("d").booked_prefix_blocks == 20
-    clock.now += 0.1
-    view.prefill_done("r1")
-    view.update(report("d", ts=clock.now - 0.05, kv_used_blocks=10))  # made before its first token
-    assert view.load("d").booked_prefix_blocks == 20
-    view.update(report("d", ts=clock.now, kv_used_blocks=31))  # the engine's use counts r1 whole now
-    assert (view.load("d").active_blocks, view.load("d").booked_prefix_blocks) == (32, 0)  # q1's block still
 
 
 # --- property test: the incremental sums against a scan of every booking --------------------------

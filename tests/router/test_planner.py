@@ -357,47 +357,6 @@ def test_the_index_overlap_counts_like_a_pending_one() -> None:
     assert plan is not None and plan.decode.worker == "d2" and plan.decode.overlap_blocks == 128
 
 
-def test_the_decode_guard_counts_the_prefixes_a_burst_of_next_turns_takes_back_before_the_next_report() -> None:
-    """d1 (100 blocks) holds 10 and caches two finished conversations' 20-block prefixes, idle; each
-    next turn (21 blocks, 20 cached) takes all 21 into use (engine_sim: 10, then 31, then 52 and its
-    decode). Until d1 reports again, the guard must count the first turn's prefix as d1's use too:
-    with only its new block booked, the second counted 11 + 21 = 32 and bypassed."""
-    f = Fleet(
-        winfo("d1", kv_total_blocks=100), winfo("p1", "prefill"), conditional_disagg=True, decode_busy_threshold=0.5
-    )
-    f.view.update(LoadReport(worker="d1", ts=f.clock(), kv_used_blocks=10, kv_total_blocks=100, period_s=0.5))
-    f.clock.now += 0.001
-    prefixes = [list(range(1000 * (i + 1), 1000 * (i + 1) + 20 * BLOCK)) for i in range(2)]
-    for prefix in prefixes:
-        f.index.apply("d1", [Stored(hashes=block_hashes(prefix, BLOCK))])
-    turns = [[*prefix, *range(90_000 + 100 * i, 90_000 + 100 * i + BLOCK)] for i, prefix in enumerate(prefixes)]
-    first = f.planner.take(f.ctx(turns[0], "t0"))
-    assert first is not None and first.path is Path.BYPASS and first.decode.overlap_blocks == 20  # 10 + 21
-    assert f.view.load("d1").booked_prefix_blocks == 20
-    f.planner.ledger.prefill_done(first.key)  # running on d1, in no report yet
-    second = f.planner.take(f.ctx(turns[1], "t1"))
-    assert second is not None and (second.path, second.outcome) == (Path.REMOTE, Outcome.VETOED_DECODE_BUSY)
-    assert second.reason.endswith("vetoed: decode worker d1 KV 52/100 blocks > 0.5")
-    f.planner.ledger.free(second.key)
-    f.clock.now += 0.001
-    f.view.update(LoadReport(worker="d1", ts=f.clock(), kv_used_blocks=31, kv_total_blocks=100, period_s=0.5))
-    assert f.view.load("d1").booked_prefix_blocks == 0  # the report counts the first turn whole now
-    again = f.planner.take(f.ctx(turns[1], "t1b"))
-    assert again is not None and again.reason.endswith("vetoed: decode worker d1 KV 52/100 blocks > 0.5")
-
-
-def test_a_remote_request_books_the_prefix_its_decode_worker_takes_back_for_the_guard() -> None:
-    f = Fleet(winfo("d1"), winfo("p1", "prefill"), disagg="always")
-    prefix = list(range(20 * BLOCK))
-    f.index.apply("d1", [Stored(hashes=block_hashes(prefix, BLOCK))])
-    plan = f.planner.take(f.ctx([*prefix, *range(90_000, 90_000 + 3 * BLOCK)]))
-    assert plan is not None and plan.path is Path.REMOTE
-    load = f.view.load("d1")
-    assert (load.active_blocks, load.booked_prefix_blocks) == (3, 20)
-    f.planner.ledger.rebook_bypass(plan.key, plan)  # d1 prefills it itself: the same claim on d1
-    assert f.view.load("d1").booked_prefix_blocks == 20
-
-
 def test_no_room_on_any_decode_worker_returns_none() -> None:
     # h200 llama-8b prefills ~8k tokens in well under a second: 200k queued is several seconds
     f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True)
