@@ -24,8 +24,11 @@ from engine_sim.errors import SimConfigError
 from engine_sim.fleet import SimFleet, fleet_config, shared_ports
 from engine_sim.lora import LoraModule
 from engine_sim.server import ServerStatus
-from protocol.errors import listen_error, try_listen
+from protocol.errors import listen_error, try_listen, why_unbound
+from protocol.port_holders import port_holders
 from protocol.timing import DEFAULT_PROFILE, check_speedup, profile_names
+from protocol.vllm_events import publisher_binds
+from protocol.zmq_endpoint import split_endpoint
 from runtime import tune_gc
 from runtime.fd_limit import raise_fd_limit
 
@@ -209,8 +212,24 @@ def _listen_refused(config: SimConfig, count: int, index: int | None, exc: OSErr
         return SimConfigError("host", host, f"cannot listen there: {exc}: give a name or address of this host")
     where = f"engine {index} of --count {count} listens on --port + {index}: " if count > 1 and index else ""
     ports = "free ones" if count > 1 else "a free one"
-    said = f"{where}cannot listen on {host}:{port} ({exc.strerror or exc})" if port else f"cannot listen: {exc}"
+    said = f"{where}cannot listen on {host}:{port} ({why_unbound(port, exc)})" if port else f"cannot listen: {exc}"
     return SimConfigError("port", config.port, f"{said}: choose another --port, or --port 0 for {ports}")
+
+
+def _event_ports_held(config: SimConfig, count: int) -> str:
+    """Who listens on the KV event ports the fleet binds (its events endpoint where it binds, its
+    replay endpoint), with what to change: ZMQ's "Address already in use" names neither the port
+    nor its holder."""
+    ports = []
+    for i in range(count):
+        ev = fleet_config(config, i).kv_events
+        bound = [ev.endpoint] if publisher_binds(ev.endpoint) else []
+        for endpoint in [*bound, *([ev.replay_endpoint] if ev.replay_endpoint else [])]:
+            split = split_endpoint(endpoint)
+            if split is not None and split.scheme == "tcp" and split.port:
+                ports.append(split.port)
+    held = port_holders(ports)
+    return "; " + "; ".join(held) + ": give its endpoint and replay_endpoint other ports" if held else ""
 
 
 def _check_listen(config: SimConfig, count: int) -> None:
@@ -243,8 +262,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvswitch sim: error: {_listen_refused(config, count, None, exc)}", file=sys.stderr)
             return 2
         except zmq.ZMQError as exc:
+            held = _event_ports_held(config, count) if exc.errno == zmq.EADDRINUSE else ""
             print(
-                f"kvswitch sim: error: --kv-events-config: cannot bind or connect its endpoints: {exc}", file=sys.stderr
+                f"kvswitch sim: error: --kv-events-config: cannot bind or connect its endpoints: {exc}{held}",
+                file=sys.stderr,
             )
             return 1
         if count > 1:

@@ -62,11 +62,11 @@ from kvswitch.servers import (
     dying_with_parent,
     free_ports,
     open_log,
-    port_holders,
     port_taken,
 )
 from protocol import subjects
 from protocol.messages import RouterInfo, decode_json
+from protocol.port_holders import port_holders
 from protocol.timing import speed_profile
 
 log = logging.getLogger("kvswitch.cluster")

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import difflib
-import errno
 import fnmatch
 import importlib
 import itertools
@@ -36,7 +35,7 @@ from kvswitch.nats_auth import RESPONSE_TTL_S
 from kvswitch.servers import FREE_PORTS_ENV, ServerError, port_range, symlinked
 from protocol import ConfigError, subjects
 from protocol.config import RouterSettings, resolve
-from protocol.errors import try_listen
+from protocol.errors import try_listen, why_unbound
 from protocol.timing import check_speedup, profile_names
 
 __all__ = ["PASSES_UNKNOWN_ARGS", "UpFlagError", "add_arguments", "check_log_dir", "run"]
@@ -363,10 +362,9 @@ def _check_ports(spec: ClusterSpec) -> None:
             try:
                 try_listen("127.0.0.1", port)
             except OSError as exc:
-                busy = "; another kvswitch up?" if exc.errno == errno.EADDRINUSE else ""
                 raise UpFlagError(
                     f"kvswitch up: {flag} {first}: {what} {port - first} cannot listen on 127.0.0.1:{port} "
-                    f"({exc.strerror or exc}{busy}): choose another {flag}, or 0 for free ones"
+                    f"({why_unbound(port, exc)}): choose another {flag}, or 0 for free ones"
                 ) from None
 
 

@@ -6,6 +6,8 @@ import errno
 import socket
 from collections.abc import Iterable
 
+from protocol.port_holders import held_by
+
 __all__ = [
     "FLAG_ONLY",
     "ConfigError",
@@ -15,6 +17,7 @@ __all__ = [
     "listen_error",
     "setting_names",
     "try_listen",
+    "why_unbound",
     "without_userinfo",
 ]
 
@@ -131,7 +134,21 @@ def listen_error(host: str, port: int, exc: OSError) -> ConfigError:
     or forbidden, --http-port's."""
     if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
         return ConfigError("http_host", host, f"cannot listen there: {exc}: give a name or address of this host")
-    return ConfigError("http_port", port, f"cannot listen on {host}: {exc}")
+    if not port:
+        return ConfigError("http_port", port, f"cannot listen on {host}: {exc}")
+    return ConfigError(
+        "http_port", port, f"cannot listen on {host}:{port} ({why_unbound(port, exc)}): choose another --http-port, "
+        "or 0 for a free one"
+    )  # fmt: skip
+
+
+def why_unbound(port: int, exc: OSError) -> str:
+    """Why `port` could not be bound, for an error: the OS's words, and for a port in use the pid and
+    command line of whoever listens on it ("Address already in use; port 8080 is held by pid 12
+    (...)"): "Address already in use" alone sent the operator looking."""
+    said = exc.strerror or str(exc)
+    held = held_by(port) if exc.errno == errno.EADDRINUSE else ""
+    return f"{said}; {held}" if held else said
 
 
 class ProtocolError(ValueError):

@@ -3,7 +3,7 @@ the code meant to bind."""
 
 from __future__ import annotations
 
-from kvswitch.servers import listeners, socket_inodes
+from protocol.port_holders import listeners, socket_inodes
 
 __all__ = ["listening"]
 

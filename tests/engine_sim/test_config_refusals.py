@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -138,6 +140,22 @@ def test_an_events_endpoint_that_cannot_be_bound_is_one_line_not_a_traceback(
     assert run(parse("--port", "0", "--kv-events-config", _events(endpoint="tcp://192.0.2.1:*"))) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "--kv-events-config: cannot bind or connect" in err
+
+
+@pytest.mark.parametrize("key", ["endpoint", "replay_endpoint"])
+def test_an_event_port_another_process_listens_on_is_named_with_its_holder(
+    key: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # ZMQ's "Address already in use" named neither the port nor who held it
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        endpoints = {"endpoint": "tcp://*:0", key: f"tcp://*:{port}"}
+        assert run(parse("--port", "0", "--kv-events-config", _events(**endpoints))) == 1
+    err = capsys.readouterr().err
+    assert f"Address already in use (addr='tcp://*:{port}'); port {port} is held by pid {os.getpid()} (" in err, err
+    assert err.rstrip().endswith("give its endpoint and replay_endpoint other ports"), err
 
 
 _MODEL = {

@@ -166,6 +166,8 @@ def test_a_busy_port_is_refused_before_anything_starts_naming_its_flag(
         assert re.search(
             rf"{flag} {start}: {what} cannot listen on 127.0.0.1:{port} .*choose another {flag}, or 0", said
         ), said
+        # who holds it: it was "(Address already in use; another kvswitch up?)"
+        assert f"(Address already in use; port {port} is held by pid {os.getpid()} (" in said, said
 
 
 def test_a_router_tokenizer_is_refused_since_the_simulated_engines_have_only_the_builtin(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ resolve, or an address not on this machine, is --http-host's. Both were blamed o
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 
 import pytest
@@ -45,6 +46,9 @@ async def test_a_port_taken_is_still_named_as_http_port(nats_url: str, etcd_url:
         port = taken.getsockname()[1]
         err = await _start(nats_url, etcd_url, "127.0.0.1", port)
     assert (err.setting, err.value) == ("http_port", port) and "cannot listen on 127.0.0.1" in str(err)
+    # and who holds it, with what to change: it was "[Errno 98] Address already in use" alone
+    held = f"cannot listen on 127.0.0.1:{port} (Address already in use; port {port} is held by pid {os.getpid()} ("
+    assert held in str(err) and str(err).endswith("choose another --http-port, or 0 for a free one"), err
 
 
 async def test_a_bad_host_or_port_is_named_before_nats_and_etcd_are_waited_on() -> None:

@@ -6,6 +6,7 @@ HTTP server cannot listen: a bad --http-host is named as such, not as --http-por
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from typing import Any
 
@@ -178,3 +179,4 @@ async def test_a_port_taken_is_still_named_as_http_port() -> None:
         port = taken.getsockname()[1]
         err = await _start("127.0.0.1", port)
     assert (err.setting, err.value) == ("http_port", port) and "cannot listen on 127.0.0.1" in str(err)
+    assert f"port {port} is held by pid {os.getpid()} (" in str(err) and "choose another --http-port" in str(err)

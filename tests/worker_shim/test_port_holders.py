@@ -8,6 +8,7 @@ nothing on /health, and a wildcard endpoint a listener held on another local add
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -108,9 +109,12 @@ async def test_a_listener_the_bind_meets_on_any_address_is_final(endpoint: str, 
     with socket.socket() as lis:
         lis.bind((listener, 0))
         lis.listen()
-        found = await in_use(endpoint.format(port=lis.getsockname()[1]))
+        port = lis.getsockname()[1]
+        found = await in_use(endpoint.format(port=port))
     assert found.outcome == "final", found
-    assert f"another process listens there ({listener} (LISTEN))" in found.why
+    holder = f"port {port} is held by pid {os.getpid()} ("
+    assert f"another process listens there ({listener} (LISTEN)): stop it ({holder}" in found.why, found.why
+    assert "the shim's --kv-events" in found.why
 
 
 async def test_a_host_without_the_tables_gets_the_grace_and_says_it_cannot_tell(

@@ -37,6 +37,7 @@ import zmq
 import zmq.asyncio
 
 from protocol.errors import ConfigError
+from protocol.port_holders import held_by
 from protocol.zmq_endpoint import ZmqEndpoint, split_endpoint
 from worker_shim.adapters.port_holders import LISTEN, TIME_WAIT, Holder, holders
 
@@ -142,10 +143,12 @@ async def in_use(address: str) -> Diagnosis:
         return Diagnosis("grace", f"another socket holds port {port}, and this host does not say whose ({exc})")
     listening = [h for h in found if h.state == LISTEN]
     if listening:
+        who = await asyncio.to_thread(held_by, port)  # its pid and command line, where this user may see them
         return Diagnosis(
             "final",
-            f"another process listens there ({_named(listening)}): stop it, or give the engine and the shim "
-            "another endpoint",
+            f"another process listens there ({_named(listening)}): stop it{f' ({who})' if who else ''}, or give the "
+            "engine and the shim another endpoint (the engine's --kv-events-config endpoint, the shim's "
+            "--kv-events)",
         )
     if not found:  # closed between ZMQ's try and the look
         return Diagnosis("again", f"no socket holds port {port} now", news=False)
