@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
+
+import yaml
 
 from kvswitch.etcd_auth import EtcdAuthError, EtcdGateway, b64, enable_auth, namespace_users
 from kvswitch.nats_auth import NatsAuthPlan
@@ -74,6 +77,9 @@ log = logging.getLogger("kvswitch.cluster")
 __all__ = ["STOP_GRACE_S", "ClusterSpec", "LocalCluster", "RestartPolicy", "shim_argv"]
 
 POOLS = ("prefill", "decode", "agg")
+# With security on and no workers of its own, the identities it makes for a router and a shim the
+# operator runs by hand (`LocalCluster.own_commands`).
+OWN_ROUTER, OWN_WORKER = "router-0", "worker-0"
 STOP_GRACE_S = 35.0  # per tier of children at stop: the shim drains for 30 s at most
 # What a start of a process may fail with: its log or store cannot be written, its binary is gone,
 # fork failed (EAGAIN, ENOMEM), or a server's own refusal.
@@ -257,6 +263,28 @@ class LocalCluster:
                 args += ["--worker-name", name]
         return args
 
+    def own_commands(self) -> list[str]:
+        """With security on and no workers of its own, the command lines (less the engine's flags for
+        the shim) of a router and a shim the operator runs against its NATS and etcd: the identities
+        made for them (OWN_ROUTER, OWN_WORKER), and each role's etcd user and password in a settings
+        file (`--config`, 0600, in the private secrets directory removed on stop), never on the
+        command line or in this output. Empty otherwise."""
+        spec = self.spec
+        if not (spec.etcd_auth or spec.nats_auth) or self._worker_names() or self.secrets_dir is None:
+            return []
+        lines = []
+        for program, role, name in (("router", "router", OWN_ROUTER), ("shim", "worker", OWN_WORKER)):
+            argv = ["kvswitch", program, *self._connection_args(role, name)]
+            if role in self._etcd_passwords:
+                settings = self.secrets_dir / f"{role}-etcd.yaml"
+                settings.touch(mode=0o600)
+                settings.chmod(0o600)
+                login = {"etcd_user": role, "etcd_password": self._etcd_passwords[role]}
+                settings.write_text(yaml.safe_dump(login))
+                argv += ["--config", str(settings)]
+            lines.append(shlex.join(argv))
+        return lines
+
     def _child_env(self, role: str) -> dict[str, str]:
         if role not in self._etcd_passwords:
             return {}
@@ -276,7 +304,10 @@ class LocalCluster:
             _require_shim_flag("--worker-name", "nats_auth (per-worker NATS permissions)")
             assert self.secrets_dir is not None
             routers = [f"router-{i}" for i in range(spec.routers)]
-            self._nats_auth = NatsAuthPlan.generate(spec.namespace, routers, self._worker_names())
+            workers = self._worker_names()
+            if not workers:  # for the operator's own router and shim (own_commands)
+                routers, workers = [OWN_ROUTER], [OWN_WORKER]
+            self._nats_auth = NatsAuthPlan.generate(spec.namespace, routers, workers)
             self._nats_auth.write(self.secrets_dir)
             authorization = self._nats_auth.authorization_block()
         # With a log_dir, their output goes there as the children's does (else into their stores).

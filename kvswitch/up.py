@@ -57,6 +57,13 @@ _NO_WORKERS = (
     "kvswitch up: no workers, so no routers: add simulated ones with --agg N (or --prefill P --decode D), "
     "or start `kvswitch shim` and `kvswitch router` against the NATS and etcd above"
 )
+# --secure's servers admit only the credentials it made: a router started by hand without them was
+# refused by etcd ("etcd_user ... = None: etcd ... has authentication on").
+_OWN_SECURE = (
+    ", with the credentials --secure made for one of each (an nkey seed each, the etcd user and password in the "
+    "--config file; all removed when up stops). Add your engine's flags to the shim's (--engine-url, --model, "
+    "--kv-events, ...):"
+)
 
 
 class UpFlagError(SystemExit):
@@ -813,7 +820,8 @@ async def _serve(args: argparse.Namespace, cluster: LocalCluster, spec: ClusterS
     said = cluster.health_line()
     print(said, flush=True)
     if not spec.prefill + spec.decode + spec.agg:
-        print(_NO_WORKERS, flush=True)
+        own = cluster.own_commands()
+        print(_NO_WORKERS + (_OWN_SECURE if own else ""), *(f"  {line}" for line in own), sep="\n", flush=True)
     if args.demo:
         return await _demo(cluster, spec, stop)
     print("kvswitch up: Ctrl-C or SIGTERM to stop", flush=True)

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvswitch.cluster import ClusterSpec, LocalCluster, _Child
 from kvswitch.servers import EtcdServer, NatsServer, ServerError, free_port, free_ports
@@ -720,3 +722,59 @@ def test_a_child_that_dies_is_said_once_with_its_status_and_last_words(
         f"35: still unhealthy (6 checks in 30s): {line}",
         "healthy again: health: nats=ok etcd=ok children=1/1 up",
     ]
+
+
+def test_secure_with_no_workers_prints_a_router_and_a_shim_line_whose_credentials_work(tmp_path: Path) -> None:
+    # `kvswitch up --secure` alone told the operator to start a router and a shim against its NATS and
+    # etcd, but gave no credentials: a router started by hand was refused ("invalid etcd_user
+    # (--etcd-user ...) = None: etcd ... has authentication on"). Now it prints each one's command
+    # line, its etcd password in a --config file, never on the line (audit, 2026-12-07).
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvswitch", "up", "--secure"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
+    )  # fmt: skip
+    router: subprocess.Popen[str] | None = None
+    try:
+        assert up.stdout is not None
+        out = ""
+        while "Ctrl-C" not in out:
+            line = up.stdout.readline()
+            assert line, f"kvswitch up exited: {out}{up.communicate(timeout=30)[1]}"
+            out += line
+        lines = {
+            argv[1]: argv for argv in (shlex.split(row) for row in out.splitlines() if row.startswith("  kvswitch "))
+        }
+        assert sorted(lines) == ["router", "shim"], out
+        shim = lines["shim"]
+        assert shim[shim.index("--worker-name") + 1] == "worker-0", shim
+        secrets_dir = Path(lines["router"][lines["router"].index("--config") + 1]).parent
+        assert secrets_dir.stat().st_mode & 0o777 == 0o700
+        for argv in lines.values():
+            for flag in ("--config", "--nats-nkey-file"):
+                assert Path(argv[argv.index(flag) + 1]).stat().st_mode & 0o777 == 0o600, argv
+        for role in ("router", "worker"):
+            password = yaml.safe_load((secrets_dir / f"{role}-etcd.yaml").read_text())["etcd_password"]
+            assert password not in out
+        log = tmp_path / "router.log"
+        with log.open("w") as sink:
+            router = subprocess.Popen(
+                [sys.executable, "-m", "kvswitch", *lines["router"][1:], "--http-port", "0"],
+                stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while " serving http://" not in log.read_text():
+            assert router.poll() is None, f"the router exited: {log.read_text()}"
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        router.send_signal(signal.SIGTERM)
+        assert router.wait(timeout=60) == 0, log.read_text()
+        up.send_signal(signal.SIGTERM)
+        _, err = up.communicate(timeout=60)
+        assert up.returncode == 0 and "kvswitch up: stopped" in err, err
+        assert not secrets_dir.exists()  # removed on stop, as the CA's
+    finally:
+        for proc in (router, up):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
