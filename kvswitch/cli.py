@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from kvswitch.environment import check_environment
+from kvswitch.flags import FlagParser
 from protocol.errors import VariableError
 from protocol.version import BUILD
 from runtime import stop_signals_held
@@ -29,10 +30,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 _SERVICES = {"router", "shim", "sim"}
 """Those whose `run` ends in runtime.run_service: a stop signal is held back while they load, and
 said by run_service as a stop during start (`kvswitch up` holds its own through its checks)."""
+_READ_ENVIRONMENT = {"router", "shim"}
+"""Those whose settings a `KVSWITCH_*` variable gives too: a bad choice names it (kvswitch.flags)."""
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="kvswitch",
         description="KV-cache-aware router with conditional disaggregation.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -48,7 +51,7 @@ def _top_parser() -> argparse.ArgumentParser:
 def subcommand_parser(name: str) -> argparse.ArgumentParser:
     """The parser `kvswitch NAME` parses its flags with (deployment files are checked against it)."""
     module_name, help_text = SUBCOMMANDS[name]
-    parser = argparse.ArgumentParser(prog=f"kvswitch {name}", description=help_text)
+    parser = FlagParser(prog=f"kvswitch {name}", description=help_text, reads_environment=name in _READ_ENVIRONMENT)
     importlib.import_module(module_name).add_arguments(parser)
     return parser
 

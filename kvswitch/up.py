@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import difflib
 import fnmatch
 import importlib
 import itertools
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvswitch.cluster import POOLS, STOP_GRACE_S, ClusterSpec, LocalCluster, RestartPolicy, shim_argv
+from kvswitch.flags import FlagParser, unknown_flags
 from kvswitch.nats_auth import RESPONSE_TTL_S
 from kvswitch.servers import FREE_PORTS_ENV, ServerError, port_range, symlinked
 from protocol import ConfigError, subjects
@@ -389,21 +389,11 @@ _UP_SETS = ("http_host",)
 _UP_SETS_PREFIXES = ("nats_", "etcd_")
 
 
-class _RouterFlags(argparse.ArgumentParser):
-    """The router's parser, for the flags `up` passes on: a refusal is one line (argparse's own
-    printed the router's whole usage, 54 lines, before it)."""
+class _RouterFlags(FlagParser):
+    """The router's parser, for the flags `up` passes on: a refusal is raised, for `up` to say."""
 
     def error(self, message: str) -> NoReturn:
         raise UpFlagError(f"kvswitch up: {message} (a router flag: see kvswitch router --help)")
-
-
-def _nearest(flag: str, known: list[str]) -> list[str]:
-    """The flags of `known` nearest `flag` (difflib's ratio, 0.6 at least, as get_close_matches), all
-    of them on a tie: `--port` is as near `--etcd-port`, `--http-port` and `--nats-port`, and
-    get_close_matches named the last alone, by its spelling."""
-    scores = {k: difflib.SequenceMatcher(None, flag, k).ratio() for k in set(known)}
-    best = max(scores.values(), default=0.0)
-    return sorted(k for k, score in scores.items() if score == best) if best >= 0.6 else []
 
 
 def _unknown_flags(unknown: list[str], router: argparse.ArgumentParser) -> str:
@@ -412,12 +402,7 @@ def _unknown_flags(unknown: list[str], router: argparse.ArgumentParser) -> str:
     own = argparse.ArgumentParser()
     add_arguments(own)
     known = [f for p in (own, router) for a in p._actions for f in a.option_strings if f.startswith("--")]
-    said = []
-    for flag in (u.split("=", 1)[0] for u in unknown if u.startswith("-")):
-        near = _nearest(flag, known)
-        either = f"{', '.join(near[:-1])} or {near[-1]}" if len(near) > 1 else near[0] if near else ""
-        said.append(f"{flag} (did you mean {either}?)" if near else flag)
-    flags = ", ".join(said) or " ".join(unknown)
+    flags = ", ".join(unknown_flags(unknown, known)) or " ".join(unknown)
     return (
         f"kvswitch up: unrecognized arguments: {' '.join(unknown)}: {flags} is neither a flag of kvswitch up "
         "(kvswitch up --help) nor a router flag it passes on (kvswitch router --help)"
@@ -432,7 +417,7 @@ def _check_router_args(extra: list[str], args: argparse.Namespace, connection: d
         router_cli = importlib.import_module("router.cli")
     except ImportError as exc:
         raise UpFlagError(f"kvswitch up: unknown arguments {extra} (the router is not installed)") from exc
-    parser = _RouterFlags(prog="kvswitch up (router flags)")
+    parser = _RouterFlags(prog="kvswitch up (router flags)", reads_environment=True)
     router_cli.add_arguments(parser)
     ns, unknown = parser.parse_known_args(extra)
     if unknown:

@@ -257,11 +257,7 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         # (argparse's `choices` saw the flag alone, and said it in words of its own).
         check_route_info(self.route_info)
         if self.chat_template_content_format not in CONTENT_FORMATS:
-            raise ConfigError(
-                "chat_template_content_format",
-                self.chat_template_content_format,
-                f"one of {', '.join(CONTENT_FORMATS)}",
-            )
+            raise ConfigError.one_of("chat_template_content_format", self.chat_template_content_format, CONTENT_FORMATS)
         if self.chat_template_content_format != "auto" and self.tokenizer is None:
             # the built-in tokenizer renders message content as it is (as --default-chat-template-kwargs,
             # refused in _template_kwargs): this would be read by nothing

@@ -17,6 +17,7 @@ import pytest
 
 from engine_sim import SimConfigError
 from kvswitch.cli import SUBCOMMANDS, main, subcommand_parser
+from kvswitch.flags import FlagParser
 from protocol import ConfigError
 from tests.kvswitch.doc_commands import DocCommand, commands_in
 
@@ -194,6 +195,7 @@ def _check(command: DocCommand, monkeypatch: pytest.MonkeyPatch) -> None:
         raise _Refused(message)
 
     monkeypatch.setattr(argparse.ArgumentParser, "error", refuse)
+    monkeypatch.setattr(FlagParser, "error", refuse)  # the kvswitch parsers' own
     for variable, value in command.env.items():
         monkeypatch.setenv(variable, value)
     try:

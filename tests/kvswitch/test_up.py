@@ -239,7 +239,11 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
             ["--port", "8000"],
             "--port (did you mean --etcd-port, --http-port or --nats-port?) is neither",
         ),
-        (["--agg", "1", "--routing", "nope"], "kvswitch up: argument --routing: invalid choice: 'nope'"),
+        (
+            ["--agg", "1", "--routing", "nope"],
+            "kvswitch up: invalid routing (--routing, KVSWITCH_ROUTING) = 'nope': allowed values: kv, round_robin, "
+            "random, least_loaded (a router flag: see kvswitch router --help)",
+        ),
         # it waited 120 s for /ready's "no decode or agg worker can take requests", then exited 1
         (["--prefill", "2"], "kvswitch up: --prefill 2 needs --decode or --agg: prefill workers serve no request"),
         (["--prefill", "1", "--routers", "2"], "--prefill 1 needs --decode or --agg"),
