@@ -469,9 +469,15 @@ def _hub_caches() -> list[Path]:
     return out
 
 
+# How a path no model id can be is written: a Hugging Face id is `org/name` or `name`
+_PATH_PREFIXES = ("/", "./", "../", "~")
+
+
 def resolve_tokenizer_path(spec: str | Path) -> Path:
     """The tokenizer.json that `spec` names: the file, a directory holding one, or a model id's
-    snapshot in the local Hugging Face hub cache. TokenizerError naming where it looked."""
+    snapshot in the local Hugging Face hub cache. TokenizerError naming where it looked; a missing
+    path (a Path, or text that starts as a path does or ends in .json) is missing, not a model id
+    to look up and download."""
     p = Path(spec).expanduser()
     if p.is_file():
         return p
@@ -479,6 +485,8 @@ def resolve_tokenizer_path(spec: str | Path) -> Path:
         if (p / "tokenizer.json").is_file():
             return p / "tokenizer.json"
         raise TokenizerError(str(spec), "no tokenizer.json there")
+    if isinstance(spec, Path) or spec.startswith(_PATH_PREFIXES) or spec.endswith(".json"):
+        raise TokenizerError(str(spec), f"no such file or directory: {p.absolute()}")
     looked = []
     for cache in _hub_caches():
         repo = cache / ("models--" + str(spec).replace("/", "--"))

@@ -26,8 +26,9 @@ def test_a_tokenizer_that_cannot_be_loaded_is_refused_naming_the_flag() -> None:
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
-    assert lines[0].startswith(
+    assert lines[0] == (
         "kvswitch router: invalid tokenizer (--tokenizer, KVSWITCH_TOKENIZER) = '/nonexistent': "
+        "no such file or directory: /nonexistent"
     )
     assert "NATS" not in out.stderr
 

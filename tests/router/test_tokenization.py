@@ -148,6 +148,33 @@ def test_a_model_id_resolves_to_its_snapshot_in_the_hub_cache(
         load_tokenizer("acme/other")
 
 
+@pytest.mark.parametrize(
+    ("spec", "missing"),
+    [
+        ("/nonexistent/tok", "/nonexistent/tok"),
+        ("./tokenizer.json", "{cwd}/tokenizer.json"),
+        ("../no-such-dir", "{cwd}/../no-such-dir"),
+        ("~/no-such-tok", "{home}/no-such-tok"),
+        ("tok/tokenizer.json", "{cwd}/tok/tokenizer.json"),
+        (Path("no-such-dir"), "{cwd}/no-such-dir"),
+    ],
+)
+def test_a_missing_path_is_missing_not_a_model_id_to_download(
+    spec: str | Path, missing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Walkthrough audit 2026-12-07: `--tokenizer /nonexistent/tok` was looked up as a model id, and
+    refused as no model in the Hugging Face cache (`models----nonexistent--tok`), to be downloaded
+    with `hf download`. No model id starts so, or ends in .json."""
+    cwd, home = tmp_path / "cwd", tmp_path / "home"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(TokenizerError) as refused:
+        resolve_tokenizer_path(spec)
+    assert refused.value.why == "no such file or directory: " + missing.format(cwd=cwd, home=home)
+
+
 def test_chat_template_jinja_file_wins_over_the_config(hf_dir: Path) -> None:
     (hf_dir / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert load_tokenizer(hf_dir).encode_chat([{"role": "user", "content": "hello world"}]) == [3, 4]
