@@ -291,7 +291,7 @@ async def test_a_stream_through_a_nats_hung_for_less_than_the_wait_goes_on(
     assert router.dispatcher.retries == 0
 
 
-async def test_a_nats_that_answers_late_is_an_outage_that_ended_and_one_that_does_not_is_no_answer(
+async def test_a_nats_that_answers_late_is_late_and_no_outage_and_one_that_does_not_is_no_answer(
     own_nats: NatsServer,
 ) -> None:
     """Dispatcher.answers, asked as a leg's worker would be blamed: a server hung past the wait is
