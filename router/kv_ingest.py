@@ -19,8 +19,8 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   repair), capped the same way as the lines below. One forged batch costs one repair, never a
   repair loop. Held batches after the reply's seq are then applied in order; if a gap
   remains, the repair goes on. A replay that stops short of the shim's own seq is malformed
-  (counted, said once per worker): a full dump is next, the worker out of routing until it is in
-  (until 2026-12-07, with no batch held, it was synced at the seq the replay stopped at).
+  (counted, said once per worker: applied, a full dump next): the worker is out of routing until
+  the dump is in (until 2026-12-07, with no batch held, it was synced at the seq the replay stopped at).
 - A worker is bootstrapped (a full dump) when the registry adds it. While it bootstraps or repairs,
   only it is out of routing (router.eligibility); every other worker routes as usual.
 - The digest check: each load report carries the shim's (kv_epoch, kv_seq, kv_blocks, kv_xor). At
@@ -313,6 +313,15 @@ class KvIngest:
             logging.WARNING,
             "dropping malformed KV events (one cause for many workers: shims of a build whose events this router "
             "cannot read; every payload counted in kvswitch_router_kv_malformed_total)",
+            clock=clock,
+            fleet_log=fleet_log,
+        )
+        self._short_replay_lines = FleetLines(  # one broken shim build, the fleet of it at once
+            log,
+            logging.WARNING,
+            "their KV replays were applied but stop short of their shims' own seq; a full dump of each is next, "
+            "each out of routing until it is in (a shim build that replays part of what it sent; each counted in "
+            "kvswitch_router_kv_malformed_total)",
             clock=clock,
             fleet_log=fleet_log,
         )
@@ -1013,10 +1022,19 @@ class KvIngest:
             if sync.last_seq < first.seq:
                 # The replay did not reach the shim's own seq: a broken shim. Out of routing until
                 # its full state is in (with nothing held, it was synced at the seq it stopped at).
-                gap = f"its replay stops at seq {sync.last_seq}, short of its own seq {first.seq}"
-                self._malformed(worker, ProtocolError("KvStateChunk", gap, "replay stops short"), "repair")
+                # Its own kind: under a garbled reply's ("repair"), a worker that sent one never said it.
+                gap = f"stops at seq {sync.last_seq}, short of its own seq {first.seq}"
+                self.stats.malformed += 1
+                if self._said("short replay", worker):
+                    self._short_replay_lines.say(
+                        worker,
+                        "applied worker %s's KV replay, which %s; a full dump is next, the worker out of routing "
+                        "until it is in (logged once per worker)",
+                        worker,
+                        gap,
+                    )
                 state.want_dump = True
-                state.why = f"{gap}: a full dump is next"
+                state.why = f"its replay {gap}: a full dump is next"
                 return
         self._drop_contradicted(state, first.epoch, first.seq)
         if self._drain_held(state):

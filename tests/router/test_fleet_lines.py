@@ -519,6 +519,27 @@ async def test_a_fleet_sending_malformed_kv_events_is_capped(
 
 
 @pytest.mark.parametrize("fleet", [1, FLEET])
+async def test_a_fleet_replaying_short_is_capped_on_lines_of_its_own(
+    fleet_ingest: tuple[KvIngest, list[FakeShim]], caplog: pytest.LogCaptureFixture, fleet: int
+) -> None:
+    ingest, shims = fleet_ingest
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    for shim in shims[:fleet]:  # a gap: its replay carries seq 1 alone, the shim at seq 2
+        shim.short_replays = 1
+        await shim.publish(Stored(hashes=[1]), drop=True)
+        await shim.publish(Stored(hashes=[2], parent=1))
+    await until(lambda: ingest.stats.malformed == fleet and ingest.synced, what="every short replay, then a dump")
+    ingest._short_replay_lines.flush()
+    named, summary = _lines(caplog, "router.kv_ingest", logging.WARNING, "KV replay")
+    assert len(named) == min(fleet, NAMED_AT_MOST)
+    assert named[0] == (
+        "applied worker w0000's KV replay, which stops at seq 1, short of its own seq 2; a full dump is next, the "
+        "worker out of routing until it is in (logged once per worker)"
+    )
+    assert _summarised(summary, fleet, "their KV replays were applied but stop short of their shims' own seq")
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
 def test_a_fleet_sending_malformed_replies_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
     held_by = FleetLog()
     d = Dispatcher(None, "ns", None, fleet_log=held_by)  # type: ignore[arg-type]  # _blame touches no connection

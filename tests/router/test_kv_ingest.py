@@ -693,10 +693,38 @@ async def test_a_replay_short_of_the_shims_own_seq_is_malformed_and_a_dump_follo
         assert ingest.stats.workers["a1"].last_seq == shim.seq
         assert shim.requests[-2:] == [KvStateRequest(since_seq=1, epoch=shim.epoch), KvStateRequest()]
         assert ingest.stats.malformed == 1
-        [line] = _malformed_lines(caplog)
-        assert "worker a1" in line and "replay stops at seq 2, short of its own seq 3" in line
+        assert not _malformed_lines(caplog)  # nothing dropped: the replay's batches are in
+        [line] = _short_replay_lines(caplog)
+        assert line == (
+            "applied worker a1's KV replay, which stops at seq 2, short of its own seq 3; a full dump is next, "
+            "the worker out of routing until it is in (logged once per worker)"
+        )
     finally:
         await ingest.stop()
+
+
+async def test_a_short_replay_is_said_of_a_worker_whose_garbled_reply_was_said_before(
+    ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Both were said once per worker under one kind: the short replay went unsaid.
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    await synced_with(ingest, shim)
+    await shim.publish(Stored(hashes=[1]))
+    await shim.publish(Stored(hashes=[2], parent=1), drop=True)
+    shim.garbage = 1
+    await shim.publish(Stored(hashes=[3], parent=2))
+    await until(lambda: ingest.stats.gaps == 1 and ingest.synced)
+    assert len(_malformed_lines(caplog)) == 1  # the garbled reply's
+    await shim.publish(Stored(hashes=[4], parent=3), drop=True)
+    await shim.publish(Stored(hashes=[5], parent=4), drop=True)
+    shim.short_replays = 1
+    await shim.publish(Stored(hashes=[6], parent=5))
+    await until(lambda: ingest.stats.gaps == 2 and ingest.synced)
+    assert ingest.stats.malformed == 2
+    [line] = [r.getMessage() for r in caplog.records if "short of its own seq" in r.getMessage()]
+    assert "worker a1" in line and "stops at seq 4, short of its own seq 6" in line
+    assert shim.requests[-2:] == [KvStateRequest(since_seq=3, epoch=shim.epoch), KvStateRequest()]
+    assert ingest.index.dump() == shim.expected()
 
 
 async def test_an_index_that_trails_every_report_by_a_batch_has_lost_nothing(
@@ -839,6 +867,10 @@ async def _bad_hash(nc: Client, ns: str, shim: FakeShim) -> None:
 
 def _malformed_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "malformed KV events" in r.getMessage()]
+
+
+def _short_replay_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "KV replay" in r.getMessage()]
 
 
 async def test_a_worker_back_under_its_name_is_logged_again(
