@@ -344,8 +344,13 @@ UTILITY_ENDPOINTS = frozenset({ENDPOINT_TOKENIZE, ENDPOINT_DETOKENIZE})
 # The utility endpoints each engine (WorkerInfo.engine) serves, as routes of the endpoint's name
 # (vLLM's /tokenize, /detokenize): its shim forwards only these, and a router sends a utility call
 # only to a worker whose engine serves it. SGLang's and TensorRT-LLM's routes differ (or are
-# absent), so their shims guess at none.
-ENGINE_UTILITY_ENDPOINTS: Mapping[str, frozenset[str]] = {"vllm": UTILITY_ENDPOINTS}
+# absent), so their shims guess at none. Every engine this build's shims run is a key, those
+# serving none too: an engine missing is one a newer shim runs, whose routes a router cannot know.
+ENGINE_UTILITY_ENDPOINTS: Mapping[str, frozenset[str]] = {
+    "vllm": UTILITY_ENDPOINTS,
+    "sglang": frozenset(),
+    "trtllm": frozenset(),
+}
 
 
 ANNOTATION_BYPASS = "bypass_remote_prefill"

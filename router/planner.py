@@ -288,18 +288,13 @@ class Planner:
         malformed reply is left out for its cooldown, as from routing. Decode and agg workers
         first, as prefill workers run long prompts. PlanError 404 when workers serve `model` and
         none of their engines serves the route: no wait ends that, and a call sent to one was a
-        404 from its shim, a failure handed on or logged per call (until 2026-12-07)."""
+        404 from its shim, a failure handed on or logged per call (until 2026-12-07). An engine
+        not in the table (a newer shim's) is left out as one without the route, as every engine
+        but vLLM is where the router judges by engine, and the 404 says the router does not know it."""
         infos = self._serving(model)
         able = [i for i in infos if endpoint in ENGINE_UTILITY_ENDPOINTS.get(i.engine, ())]
         if infos and not able:
-            engines = ", ".join(sorted({i.engine for i in infos}))
-            serve = " or ".join(sorted(e for e, routes in ENGINE_UTILITY_ENDPOINTS.items() if endpoint in routes))
-            where = f"send it for a model that {serve} engines serve" if serve else "no engine's shim forwards it"
-            raise PlanError(
-                404,
-                f"no worker of model {model} serves /{endpoint}: its engines ({engines}) have no such route; {where}",
-                transient=False,
-            )
+            raise PlanError(404, _no_utility_route(model, endpoint, {i.engine for i in infos}), transient=False)
         ok = [i for i, st in zip(able, self.eligibility.statuses(able), strict=True) if st.exclusion not in _NO_UTILITY]
         return [i for i in ok if i.role != "prefill"] + [i for i in ok if i.role == "prefill"]
 
@@ -670,3 +665,19 @@ def _reasons(left_out: Sequence[Mapping[str, Any]]) -> str:
         by_reason = sorted(Counter(str(e["excluded"]) for e in rest).items())
         reasons += f"; and {len(rest)} more ({', '.join(f'{k}: {n}' for k, n in by_reason)})"
     return reasons
+
+
+def _no_utility_route(model: str, endpoint: str, engines: set[str]) -> str:
+    """Why no worker of `model`, of `engines`, is sent a utility call to `endpoint`: engines this
+    router knows serve no such route; one it does not know (a newer shim's) it cannot say of."""
+    known = sorted(e for e in engines if e in ENGINE_UTILITY_ENDPOINTS)
+    unknown = sorted(engines - set(known))
+    why = [f"its engines ({', '.join(known)}) have no such route"] if known else []
+    if unknown:
+        names = ", ".join(unknown)
+        newer = "shims newer than the router" if len(unknown) > 1 else "a shim newer than the router"
+        engine = "engines" if len(unknown) > 1 else "engine"
+        why.append(f"this router knows no utility routes for {engine} {names} ({newer}?)")
+    serve = " or ".join(sorted(e for e, routes in ENGINE_UTILITY_ENDPOINTS.items() if endpoint in routes))
+    where = f"send it for a model that {serve} engines serve" if serve else "no engine's shim forwards it"
+    return f"no worker of model {model} serves /{endpoint}: {', and '.join(why)}; {where}"

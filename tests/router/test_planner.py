@@ -669,6 +669,30 @@ def test_a_model_no_engine_of_which_serves_the_route_is_a_404_naming_why() -> No
     assert f.planner.utility_workers("none", ENDPOINT_TOKENIZE) == []
 
 
+def test_a_model_of_an_engine_this_router_does_not_know_is_a_404_that_says_so() -> None:
+    """An engine no shim of this build runs (a newer shim's) is left out, as one without the route;
+    the 404 said its engines "have no such route", a guess of this router's."""
+    f = Fleet(winfo("n1", engine="llamacpp"), winfo("v1", model="other"))
+    with pytest.raises(PlanError) as err:
+        f.planner.utility_workers(MODEL, ENDPOINT_TOKENIZE)
+    assert (err.value.code, err.value.transient) == (404, False)
+    assert err.value.message == (
+        f"no worker of model {MODEL} serves /tokenize: this router knows no utility routes for engine llamacpp "
+        "(a shim newer than the router?); send it for a model that vllm engines serve"
+    )
+    f = Fleet(winfo("n1", engine="llamacpp"), winfo("m1", engine="mlx"), winfo("s1", engine="sglang"))
+    with pytest.raises(PlanError) as err:
+        f.planner.utility_workers(MODEL, ENDPOINT_DETOKENIZE)
+    assert err.value.message == (
+        f"no worker of model {MODEL} serves /detokenize: its engines (sglang) have no such route, and this router "
+        "knows no utility routes for engines llamacpp, mlx (shims newer than the router?); send it for a model "
+        "that vllm engines serve"
+    )
+    # beside a vLLM worker, the one of an unknown engine is left out: the vLLM one answers
+    f = Fleet(winfo("n1", engine="llamacpp"), winfo("v1"))
+    assert [i.worker for i in f.planner.utility_workers(MODEL, ENDPOINT_TOKENIZE)] == ["v1"]
+
+
 def test_utility_calls_skip_a_worker_in_its_malformed_reply_cooldown() -> None:
     """Routing leaves a worker out for a while after a malformed reply; /tokenize did not, so every
     Nth call went to it first, a failed leg and a warning each (review1 D1)."""

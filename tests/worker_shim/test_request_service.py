@@ -36,8 +36,10 @@ from protocol.messages import (
 from tests.worker_shim.cluster import BLOCK, connect, shim_for, sim_config, wait_for
 from worker_shim import ShimConfig, WorkerShim
 from worker_shim.adapters.base import EngineError
+from worker_shim.adapters.sglang import SglangAdapter
 from worker_shim.adapters.trtllm import TrtllmAdapter
 from worker_shim.adapters.vllm import VllmAdapter
+from worker_shim.config import ENGINES
 
 
 class Collector:
@@ -428,7 +430,13 @@ async def test_an_engine_without_the_route_refuses_a_utility_call() -> None:
     with pytest.raises(EngineError) as err:
         await adapter.call(ENDPOINT_TOKENIZE, {"prompt": "x"})
     assert err.value.code == 404 and "trtllm engine serves no /tokenize" in err.value.message
-    assert {VllmAdapter.kind: {ENDPOINT_TOKENIZE, ENDPOINT_DETOKENIZE}} == ENGINE_UTILITY_ENDPOINTS
+    assert {
+        VllmAdapter.kind: {ENDPOINT_TOKENIZE, ENDPOINT_DETOKENIZE},
+        SglangAdapter.kind: set(),
+        TrtllmAdapter.kind: set(),
+    } == ENGINE_UTILITY_ENDPOINTS
+    # every engine a shim runs is in the table: one missing, routers call it a newer shim's
+    assert set(ENGINES) == set(ENGINE_UTILITY_ENDPOINTS)
 
 
 async def test_a_leg_of_n_sequences_counts_as_n_in_the_decode_context(ns: str, nats_url: str, etcd_url: str) -> None:
