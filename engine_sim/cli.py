@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import ipaddress
 import json
 import math
 import os
@@ -25,10 +27,9 @@ from engine_sim.fleet import SimFleet, fleet_config, shared_ports
 from engine_sim.lora import LoraModule
 from engine_sim.server import ServerStatus
 from protocol.errors import listen_error, try_listen, why_unbound
-from protocol.port_holders import port_holders
 from protocol.timing import DEFAULT_PROFILE, check_speedup, profile_names
 from protocol.vllm_events import publisher_binds
-from protocol.zmq_endpoint import split_endpoint
+from protocol.zmq_endpoint import ZmqEndpoint, split_endpoint
 from runtime import tune_gc
 from runtime.fd_limit import raise_fd_limit
 
@@ -216,20 +217,48 @@ def _listen_refused(config: SimConfig, count: int, index: int | None, exc: OSErr
     return SimConfigError("port", config.port, f"{said}: choose another --port, or --port 0 for {ports}")
 
 
-def _event_ports_held(config: SimConfig, count: int) -> str:
-    """Who listens on the KV event ports the fleet binds (its events endpoint where it binds, its
-    replay endpoint), with what to change: ZMQ's "Address already in use" names neither the port
-    nor its holder."""
-    ports = []
+def _bind_host(split: ZmqEndpoint) -> str | None:
+    """The address ZMQ binds for a validated tcp endpoint's host (the sim's sockets set no
+    zmq.IPV6: `*` is 0.0.0.0, an IPv4-mapped address its IPv4); None for a name, which ZMQ resolves
+    its own way (an interface name too)."""
+    if split.wildcard:
+        return "0.0.0.0"
+    try:
+        ip = ipaddress.ip_address(split.host.partition("%")[0])
+    except ValueError:
+        return None
+    return str(ip.ipv4_mapped) if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else str(ip)
+
+
+def _check_event_ports(config: SimConfig, count: int) -> None:
+    """Every engine's KV event port (where its PUB binds) and replay port that another process
+    listens on is refused before any engine starts, naming that port and its holder: ZMQ's "Address
+    already in use" names neither, and a look after a failed start also found the fleet's own
+    ports, still closing in ZMQ's background, and blamed "a process this user cannot see"."""
+    if not config.kv_events.active:
+        return
     for i in range(count):
         ev = fleet_config(config, i).kv_events
-        bound = [ev.endpoint] if publisher_binds(ev.endpoint) else []
-        for endpoint in [*bound, *([ev.replay_endpoint] if ev.replay_endpoint else [])]:
-            split = split_endpoint(endpoint)
-            if split is not None and split.scheme == "tcp" and split.port:
-                ports.append(split.port)
-    held = port_holders(ports)
-    return "; " + "; ".join(held) + ": give its endpoint and replay_endpoint other ports" if held else ""
+        bound = {
+            "endpoint": ev.endpoint if publisher_binds(ev.endpoint) else None,
+            "replay_endpoint": ev.replay_endpoint,
+        }
+        for key, endpoint in bound.items():
+            split = split_endpoint(endpoint) if endpoint else None
+            if split is None or split.scheme != "tcp" or not split.port or (host := _bind_host(split)) is None:
+                continue
+            try:
+                try_listen(host, split.port)  # SO_REUSEADDR, as ZMQ binds
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    continue  # ZMQ's own bind says it, as before
+                which = f"engine {i} of --count {count} binds {key} + {i}" if count > 1 and i else f"it binds {key}"
+                raise SimConfigError(
+                    "kv_events_config",
+                    getattr(config.kv_events, key),
+                    f"{which}: cannot bind port {split.port} ({why_unbound(split.port, exc)}): "
+                    "give its endpoint and replay_endpoint other ports",
+                ) from None
 
 
 def _check_listen(config: SimConfig, count: int) -> None:
@@ -249,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         _check_listen(config, count)
+        _check_event_ports(config, count)
     except ValueError as exc:  # a SimConfigError, or check_speedup's
         print(f"kvswitch sim: error: {exc}", file=sys.stderr)
         return 2
@@ -261,11 +291,9 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:  # taken since _check_listen
             print(f"kvswitch sim: error: {_listen_refused(config, count, None, exc)}", file=sys.stderr)
             return 2
-        except zmq.ZMQError as exc:
-            held = _event_ports_held(config, count) if exc.errno == zmq.EADDRINUSE else ""
+        except zmq.ZMQError as exc:  # a port taken since _check_event_ports, or a name's
             print(
-                f"kvswitch sim: error: --kv-events-config: cannot bind or connect its endpoints: {exc}{held}",
-                file=sys.stderr,
+                f"kvswitch sim: error: --kv-events-config: cannot bind or connect its endpoints: {exc}", file=sys.stderr
             )
             return 1
         if count > 1:

@@ -152,10 +152,53 @@ def test_an_event_port_another_process_listens_on_is_named_with_its_holder(
         holder.listen()
         port = holder.getsockname()[1]
         endpoints = {"endpoint": "tcp://*:0", key: f"tcp://*:{port}"}
-        assert run(parse("--port", "0", "--kv-events-config", _events(**endpoints))) == 1
-    err = capsys.readouterr().err
-    assert f"Address already in use (addr='tcp://*:{port}'); port {port} is held by pid {os.getpid()} (" in err, err
-    assert err.rstrip().endswith("give its endpoint and replay_endpoint other ports"), err
+        assert run(parse("--port", "0", "--kv-events-config", _events(**endpoints))) == 2
+    out, err = capsys.readouterr()
+    assert err == (
+        f"kvswitch sim: error: invalid --kv-events-config = 'tcp://*:{port}': it binds {key}: cannot bind port {port} "
+        f"(Address already in use; port {port} is held by pid {os.getpid()} ({_cmdline()})): give its endpoint and "
+        "replay_endpoint other ports\n"
+    ), err
+    assert not out  # refused before any engine started
+
+
+def test_a_fleets_event_port_held_is_refused_before_any_engine_starts_naming_that_port_alone(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The ports were looked up after engine 0 had started and been stopped: ZMQ still closed engine
+    # 0's in the background, so they were often named too, held by "a process this user cannot see".
+    with _listening_after_a_free_port() as holder:
+        port = holder.getsockname()[1]
+        kv = _events(endpoint="tcp://*:0", replay_endpoint=f"tcp://127.0.0.1:{port - 1}")
+        assert run(parse("--port", "0", "--count", "2", "--kv-events-config", kv)) == 2
+    out, err = capsys.readouterr()
+    assert err == (
+        f"kvswitch sim: error: invalid --kv-events-config = 'tcp://127.0.0.1:{port - 1}': engine 1 of --count 2 binds "
+        f"replay_endpoint + 1: cannot bind port {port} (Address already in use; port {port} is held by pid "
+        f"{os.getpid()} ({_cmdline()})): give its endpoint and replay_endpoint other ports\n"
+    ), err
+    assert not out
+
+
+def _listening_after_a_free_port() -> socket.socket:
+    """A socket listening on a loopback port whose port - 1 was free (engine 0's replay port)."""
+    for _ in range(20):
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1] + 1
+        holder = socket.socket()
+        try:
+            holder.bind(("127.0.0.1", port))
+        except OSError:
+            holder.close()
+            continue
+        holder.listen()
+        return holder
+    raise AssertionError("no two consecutive free loopback ports")
+
+
+def _cmdline() -> str:
+    return Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
 
 
 _MODEL = {
