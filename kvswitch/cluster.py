@@ -68,6 +68,7 @@ from kvswitch.servers import (
     port_taken,
 )
 from protocol import subjects
+from protocol.config import load_file
 from protocol.messages import RouterInfo, decode_json
 from protocol.port_holders import port_holders
 from protocol.timing import speed_profile
@@ -268,20 +269,27 @@ class LocalCluster:
         the shim) of a router and a shim the operator runs against its NATS and etcd: the identities
         made for them (OWN_ROUTER, OWN_WORKER), and each role's etcd user and password in a settings
         file (`--config`, 0600, in the private secrets directory removed on stop), never on the
-        command line or in this output. Empty otherwise."""
+        command line or in this output. The router's line carries the router flags given to up
+        (`router_args`; they were checked, then dropped): a --config of the operator's is copied
+        into the role's file, with the etcd keys added, as one --config only is read. Empty
+        otherwise."""
         spec = self.spec
         if not (spec.etcd_auth or spec.nats_auth) or self._worker_names() or self.secrets_dir is None:
             return []
         lines = []
         for program, role, name in (("router", "router", OWN_ROUTER), ("shim", "worker", OWN_WORKER)):
             argv = ["kvswitch", program, *self._connection_args(role, name)]
+            given, config = _without_config(spec.router_args) if role == "router" else ([], None)
+            argv += given
             if role in self._etcd_passwords:
                 settings = self.secrets_dir / f"{role}-etcd.yaml"
                 settings.touch(mode=0o600)
                 settings.chmod(0o600)
                 login = {"etcd_user": role, "etcd_password": self._etcd_passwords[role]}
-                settings.write_text(yaml.safe_dump(login))
+                settings.write_text(yaml.safe_dump({**(load_file(config) if config else {}), **login}))
                 argv += ["--config", str(settings)]
+            elif config is not None:
+                argv += ["--config", config]
             lines.append(shlex.join(argv))
         return lines
 
@@ -832,6 +840,21 @@ class LocalCluster:
             if state == "restarting" and child.backoff.restart_at is None and now - child.backoff.started_at > grace_s:
                 return False
         return self._servers_ok
+
+
+def _without_config(router_args: list[str]) -> tuple[list[str], str | None]:
+    """`router_args` less their --config FILE (as `--config F`, `--config=F` or an abbreviation
+    argparse took for it: up's check parsed them), and that FILE (the last, as argparse keeps it)."""
+    rest: list[str] = []
+    config = None
+    args = iter(router_args)
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        if len(flag) > 2 and "--config".startswith(flag):
+            config = value if eq else next(args, None)
+        else:
+            rest.append(arg)
+    return rest, config
 
 
 def shim_argv(spec: ClusterSpec, role: str, engine_url: str, events: str, replay: str) -> list[str]:

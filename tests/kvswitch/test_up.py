@@ -782,3 +782,54 @@ def test_secure_with_no_workers_prints_a_router_and_a_shim_line_whose_credential
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_secure_with_no_workers_carries_the_router_flags_and_a_copy_of_its_config_into_the_router_line(
+    tmp_path: Path,
+) -> None:
+    # The router flags given to up were checked, then dropped from the printed router line: a user's
+    # `--config mine.yaml` was silently replaced by the credentials file (review, 2026-12-07).
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("max_body_bytes: 1048576\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvswitch", "up", "--secure", "--config", str(mine), "--request-timeout", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
+    )  # fmt: skip
+    router: subprocess.Popen[str] | None = None
+    try:
+        assert up.stdout is not None
+        out = ""
+        while "Ctrl-C" not in out:
+            line = up.stdout.readline()
+            assert line, f"kvswitch up exited: {out}{up.communicate(timeout=30)[1]}"
+            out += line
+        argv = next(shlex.split(row) for row in out.splitlines() if row.startswith("  kvswitch router "))
+        assert argv[argv.index("--request-timeout") + 1] == "120", argv
+        assert argv.count("--config") == 1 and str(mine) not in argv, argv
+        copy = Path(argv[argv.index("--config") + 1])
+        assert copy.stat().st_mode & 0o777 == 0o600
+        settings = yaml.safe_load(copy.read_text())
+        assert settings.pop("etcd_user") == "router" and settings.pop("etcd_password") not in out
+        assert settings == {"max_body_bytes": 1048576}
+        log = tmp_path / "router.log"
+        with log.open("w") as sink:
+            router = subprocess.Popen(
+                [sys.executable, "-m", "kvswitch", *argv[1:], "--http-port", "0"],
+                stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while " serving http://" not in log.read_text():
+            assert router.poll() is None, f"the router exited: {log.read_text()}"
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        router.send_signal(signal.SIGTERM)
+        assert router.wait(timeout=60) == 0, log.read_text()
+        up.send_signal(signal.SIGTERM)
+        up.communicate(timeout=60)
+        assert up.returncode == 0 and not copy.exists()
+    finally:
+        for proc in (router, up):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
