@@ -26,7 +26,7 @@ from engine_sim.errors import SimConfigError
 from engine_sim.fleet import SimFleet, fleet_config, shared_ports
 from engine_sim.lora import LoraModule
 from engine_sim.server import ServerStatus
-from protocol.errors import listen_error, try_listen, why_unbound
+from protocol.errors import host_fault, try_listen, why_unbound
 from protocol.timing import DEFAULT_PROFILE, check_speedup, profile_names
 from protocol.vllm_events import publisher_binds
 from protocol.zmq_endpoint import ZmqEndpoint, split_endpoint
@@ -206,10 +206,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 def _listen_refused(config: SimConfig, count: int, index: int | None, exc: OSError) -> SimConfigError:
     """The flag a failed listen of engine `index` (None: not known) is the fault of, by
-    protocol.errors.listen_error's rule: a host that does not resolve or is not this machine's is
+    protocol.errors.host_fault's rule: a host that does not resolve or is not this machine's is
     --host's, anything else --port's. It was "cannot listen: [Errno 98] ...", exit 1, naming neither."""
     host, port = config.host, config.port + (index or 0) if config.port else 0
-    if listen_error(host, port, exc).setting == "http_host":
+    if host_fault(exc):
         return SimConfigError("host", host, f"cannot listen there: {exc}: give a name or address of this host")
     where = f"engine {index} of --count {count} listens on --port + {index}: " if count > 1 and index else ""
     ports = "free ones" if count > 1 else "a free one"

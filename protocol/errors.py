@@ -14,6 +14,7 @@ __all__ = [
     "ProtocolError",
     "VariableError",
     "bind_sockets",
+    "host_fault",
     "listen_error",
     "setting_names",
     "try_listen",
@@ -132,7 +133,7 @@ def listen_error(host: str, port: int, exc: OSError) -> ConfigError:
     """The setting an HTTP server's failed listen is the fault of: a host that does not resolve, or
     an address not on this machine, is --http-host's (it was blamed on --http-port); a port taken
     or forbidden, --http-port's."""
-    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+    if host_fault(exc):
         return ConfigError("http_host", host, f"cannot listen there: {exc}: give a name or address of this host")
     if not port:
         return ConfigError("http_port", port, f"cannot listen on {host}: {exc}")
@@ -140,6 +141,12 @@ def listen_error(host: str, port: int, exc: OSError) -> ConfigError:
         "http_port", port, f"cannot listen on {host}:{port} ({why_unbound(port, exc)}): choose another --http-port, "
         "or 0 for a free one"
     )  # fmt: skip
+
+
+def host_fault(exc: OSError) -> bool:
+    """Whether a failed listen is its host's fault (a name that does not resolve, an address not on
+    this machine), not its port's: `listen_error`'s rule, for a process that words its own error."""
+    return isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL
 
 
 def why_unbound(port: int, exc: OSError) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import socket
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from engine_sim import KVEventsConfig, SimConfig, SimConfigError, SimFleet, fleet_config
-from engine_sim.cli import add_arguments, config_from_args, run
+from engine_sim.cli import _listen_refused, add_arguments, config_from_args, run
+from protocol import errors
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -247,3 +249,24 @@ def test_an_unknown_profile_exits_2_naming_the_known_ones(capsys: pytest.Capture
     err = capsys.readouterr().err
     assert "invalid --profile = 'h100:llama': unknown timing profile 'h100:llama'; known: " in err, err
     assert "h200:llama-3.1-8b" in err
+
+
+_IN_USE = OSError(errno.EADDRINUSE, "Address already in use")
+_NOT_HERE = OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
+
+
+@pytest.mark.parametrize(("exc", "looks"), [(_IN_USE, 1), (_NOT_HERE, 0)])
+def test_a_failed_listen_looks_for_the_ports_holder_once_and_only_for_a_port_in_use(
+    exc: OSError, looks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sim built the HTTP server's whole refusal (its /proc search too) only to read which flag it
+    # named, then searched again for its own words.
+    calls: list[int] = []
+
+    def held_by(port: int) -> str:
+        calls.append(port)
+        return ""
+
+    monkeypatch.setattr(errors, "held_by", held_by)
+    refused = _listen_refused(config_from_args(parse("--port", "9000")), 1, 0, exc)
+    assert refused.setting == ("port" if looks else "host") and calls == [9000] * looks
