@@ -281,6 +281,7 @@ class WorkerShim:
             health_interval_s=self.config.health_interval_s,
             engine_url=self.config.engine_url,
         )
+        self._engine_seen = False  # whether the engine's /health has said up
         self._held_since: float | None = None  # when --worker-name or the engine was first found held by another lease
         self.orphans: OrphanedLegs | None = None  # the legs of routers that died (worker_shim.orphaned_legs)
         self._orphans_task: asyncio.Task[None] | None = None
@@ -506,12 +507,18 @@ class WorkerShim:
 
     async def _wait_healthy(self) -> bool:
         """Until the engine's /health says up (True) or the shim stops (False); says that it waits,
-        and again every WAIT_SAID_S, so a shim whose engine never comes is not silent."""
+        and again every WAIT_SAID_S, so a shim whose engine never comes is not silent. A /health
+        answered 404 or 405 before the engine was first up is a wrong --engine-url (ConfigError:
+        exit 2); until 2026-12-07 the shim waited for good at INFO. A refused connection or a 503
+        (an engine starting) is waited for."""
         self.status = ShimStatus.WAITING_ENGINE
         c = self.config
         since = time.monotonic()
         said: float | None = None
         while (health := await self.adapter.health()) is not EngineHealth.UP:
+            # Before the engine was first up only: a 404 after it is whatever answers at its address now.
+            if not self._engine_seen and (wrong := await self.adapter.misdirected()) is not None:
+                raise wrong
             if self.requests is not None and self.requests.inflight:
                 await self._watch_left_legs()
             now = time.monotonic()
@@ -525,6 +532,7 @@ class WorkerShim:
                     await self._stopping.wait()
             if self._stopping.is_set():
                 return False
+        self._engine_seen = True
         if said is not None:
             log.info("the engine at %s is up after %.0fs", c.engine_url, time.monotonic() - since)
         return True

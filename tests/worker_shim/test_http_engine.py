@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from protocol import SamplingParams
+from protocol import ConfigError, SamplingParams
 from tests.worker_shim.cluster import served
 from worker_shim import ShimConfig
-from worker_shim.adapters import EngineAdapter, EngineError, make_adapter
+from worker_shim.adapters import EngineAdapter, EngineError, EngineHealth, make_adapter
 from worker_shim.adapters.base import LegRequest
 from worker_shim.adapters.http_engine import HttpEngineAdapter, utf8_text
 from worker_shim.adapters.sglang import SglangAdapter
@@ -104,3 +104,73 @@ async def test_an_engine_that_refuses_connections_is_said_in_a_few_words(engine:
                 assert said == (503, "engine_unavailable", f"connection refused 127.0.0.1:{port}")
         finally:
             await adapter.close()
+
+
+def _engine_app(health: int | None) -> web.Application:
+    """A stand-in engine whose /health answers `health` (None: no such route, aiohttp's 404)."""
+
+    async def answer(_request: web.Request) -> web.Response:
+        assert health is not None
+        return web.Response(status=health)
+
+    app = web.Application()
+    if health is not None:
+        app.router.add_get("/health", answer)
+    return app
+
+
+async def _misdirected(engine: EngineKind, url: str) -> tuple[EngineHealth, ConfigError | None]:
+    adapter = make_adapter(ShimConfig(engine=engine, engine_url=url, model="m", kv_events="tcp://127.0.0.1:9"))
+    await adapter.open()
+    try:
+        return await adapter.health(), await adapter.misdirected()
+    finally:
+        await adapter.close()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
+async def test_an_openai_base_url_given_for_the_engines_is_a_wrong_engine_url_naming_the_one_that_answers(
+    engine: EngineKind,
+) -> None:
+    """The operator walkthrough's case: --engine-url http://127.0.0.1:8000/v1, vLLM's /v1/health a
+    404 and its /health a 200; the shim waited for good at INFO ("its /health is down")."""
+    async with served(_engine_app(200)) as url:
+        health, wrong = await _misdirected(engine, url + "/v1")
+    assert health is EngineHealth.DOWN and wrong is not None
+    assert (wrong.setting, wrong.value) == ("engine_url", url + "/v1")
+    said = str(wrong)
+    assert f"{url}/v1/health answers 404: a server is there, but not the {engine} engine's API" in said
+    assert f"{url}/health answers 200: give --engine-url {url}" in said
+
+
+async def test_a_path_whose_root_serves_no_health_either_is_asked_about_not_advised() -> None:
+    async with served(_engine_app(None)) as url:
+        _, wrong = await _misdirected("vllm", url + "/api/")
+    assert wrong is not None and f"{url}/health answers 404: is --engine-url {url}?" in str(wrong)
+
+
+async def test_a_server_with_no_health_route_at_a_url_without_a_path_is_a_wrong_engine_url() -> None:
+    app = web.Application()
+
+    async def post_only(_request: web.Request) -> web.Response:
+        return web.Response()
+
+    app.router.add_post("/health", post_only)
+    async with served(app) as url:
+        health, wrong = await _misdirected("vllm", url)
+    assert health is EngineHealth.DOWN and wrong is not None
+    assert f"{url}/health answers 405" in str(wrong) and "is --engine-url the engine's URL?" in str(wrong)
+
+
+@pytest.mark.parametrize("health", [503, 500, 200])
+async def test_an_engine_that_serves_its_health_route_is_no_wrong_engine_url(health: int) -> None:
+    async with served(_engine_app(health)) as url:
+        _, wrong = await _misdirected("vllm", url)
+    assert wrong is None
+
+
+async def test_an_engine_that_refuses_connections_is_no_wrong_engine_url() -> None:
+    with socket.socket() as sock:  # bound, never listening: a connect is refused
+        sock.bind(("127.0.0.1", 0))
+        health, wrong = await _misdirected("vllm", f"http://127.0.0.1:{sock.getsockname()[1]}/v1")
+    assert health is EngineHealth.DOWN and wrong is None

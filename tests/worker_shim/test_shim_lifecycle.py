@@ -9,12 +9,13 @@ import nats
 import pytest
 import zmq
 import zmq.asyncio
+from aiohttp import web
 from nats.errors import FlushTimeoutError
 
 from discovery import Discovery, Put, Snapshot
 from engine_sim.event_publisher import ZmqEventPublisher
 from engine_sim.server import SimServer
-from protocol import KvStateChunk, KvStateRequest, WorkerInfo, decode_msg, encode_msg, subjects
+from protocol import ConfigError, KvStateChunk, KvStateRequest, WorkerInfo, decode_msg, encode_msg, subjects
 from protocol.config import EtcdSettings
 from tests.worker_shim.cluster import (
     complete,
@@ -293,3 +294,39 @@ async def test_a_stop_ends_its_log_saying_the_worker_deregistered(
             f"worker {worker} deregistered (lease {worker} revoked), stopped (no leg in flight)",
         )
         assert await registered_workers(etcd_url, ns) == set()
+
+
+async def test_a_shim_given_the_engines_openai_base_url_exits_naming_engine_url_and_the_one_that_answers(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """The operator walkthrough's --engine-url http://127.0.0.1:8000/v1: the shim waited for good,
+    saying at INFO that the engine's /health was down, where /v1/health answered 404."""
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine_url=sim.url + "/v1")
+        async with shim:
+            await wait_for(shim.done.is_set, 10, "the shim gives up")
+    assert shim.status is ShimStatus.FAILED and isinstance(shim.failure, ConfigError), shim.failure
+    assert shim.failure.setting == "engine_url" and shim.failure.value == sim.url + "/v1"
+    assert f"{sim.url}/health answers 200: give --engine-url {sim.url}" in str(shim.failure)
+    assert shim.registration_count == 0
+
+
+async def test_a_404_where_the_engine_was_up_is_waited_out_as_an_engine_down(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """Once the engine's /health said up, its URL is right: a server that answers 404 there later
+    (another one in the dead engine's port) is no wrong --engine-url, and the shim waits."""
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, health_failures=1)
+        async with shim:
+            await wait_for(shim.registered.is_set, 20, "registered")
+            await sim.crash()
+            runner = web.AppRunner(web.Application())  # nothing routed: every path a 404
+            await runner.setup()
+            try:
+                await web.TCPSite(runner, "127.0.0.1", sim.port).start()
+                await wait_for(lambda: shim.status is ShimStatus.WAITING_ENGINE, 10, "deregistered")
+                await asyncio.sleep(1.0)  # ten health checks
+                assert not shim.done.is_set() and shim.failure is None
+            finally:
+                await runner.cleanup()

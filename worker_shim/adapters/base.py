@@ -47,7 +47,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from protocol import SamplingParams, Usage
+from protocol import ConfigError, SamplingParams, Usage
 from worker_shim.config import ShimConfig
 from worker_shim.engine_events import EventSink
 from worker_shim.event_health import EventHealth
@@ -287,6 +287,11 @@ class EngineAdapter(ABC):
 
     @abstractmethod
     def request_rebuild(self) -> None: ...
+
+    async def misdirected(self) -> ConfigError | None:
+        """Why the engine's health probes cannot pass at --engine-url whatever the engine does (a
+        server answered, but serves no health route there); None where nothing says so."""
+        return None
 
     def event_stats(self) -> dict[str, int]:
         """The event transport's counters since the adapter was made, by name (for /metrics)."""

@@ -16,9 +16,11 @@ import logging
 import resource
 import time
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
+from protocol import ConfigError
 from protocol.client_errors import essence
 from protocol.messages import ENGINE_UTILITY_ENDPOINTS
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth, ModelCard
@@ -36,6 +38,9 @@ POOL_KEEPALIVE_S = 4.0
 # What a connection to the engine can fail with, short of a well-formed HTTP answer.
 NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
+# A /health answered so: a server is there, but serves no such route (an OpenAI base URL, `.../v1`,
+# given for the engine's): no wait cures it.
+WRONG_ROUTE = frozenset({404, 405})
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,7 @@ class HttpEngineAdapter(EngineAdapter):
         self._health = EngineHealth.DOWN  # what the last probe that reached the engine found
         self._out_of_fds_since: float | None = None  # probes fail for want of a descriptor since (logged once)
         self._fds_down = False  # that went on past busy_limit_s: DOWN (logged once)
+        self._health_status: int | None = None  # the HTTP status of the last probe answered
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -95,14 +101,42 @@ class HttpEngineAdapter(EngineAdapter):
             async with self.session.get(self.base + "/health", timeout=PROBE_TIMEOUT) as resp:
                 await resp.read()  # read to the end so the connection is reused
                 health = EngineHealth.UP if resp.status == 200 else EngineHealth.DOWN
+                status: int | None = resp.status
         except TimeoutError:
-            health = EngineHealth.BUSY
+            health, status = EngineHealth.BUSY, None
         except NETWORK_ERRORS as exc:
             if _out_of_fds(exc):
                 return self._cannot_probe(exc)
-            health = EngineHealth.DOWN
+            health, status = EngineHealth.DOWN, None
         self._health, self._out_of_fds_since, self._fds_down = health, None, False
+        self._health_status = status
         return health
+
+    async def misdirected(self) -> ConfigError | None:
+        """The last health probe was answered 404 or 405: a server listens at --engine-url, but
+        serves no /health there. Where the URL has a path, the /health of the URL without it is
+        probed once and its answer said."""
+        if self._health_status not in WRONG_ROUTE:
+            return None
+        status, kind = self._health_status, self.kind
+        said = f"{self.base}/health answers {status}: a server is there, but not the {kind} engine's API"
+        parts = urlsplit(self.base)
+        if not parts.path:
+            return ConfigError("engine_url", self.config.engine_url, f"{said} (is --engine-url the engine's URL?)")
+        root = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+        try:
+            async with self.session.get(root + "/health", timeout=PROBE_TIMEOUT) as resp:
+                await resp.read()
+                answer = f"answers {resp.status}"
+        except NETWORK_ERRORS:
+            answer = "does not answer"
+        advice = f"give --engine-url {root}" if answer == "answers 200" else f"is --engine-url {root}?"
+        return ConfigError(
+            "engine_url",
+            self.config.engine_url,
+            f"{said}. --engine-url is the engine's own URL, without a path such as its OpenAI base URL's /v1 "
+            f"(the shim adds the paths); {root}/health {answer}: {advice}",
+        )
 
     def _cannot_probe(self, exc: BaseException) -> EngineHealth:
         now, limit = time.monotonic(), self.config.busy_limit_s
