@@ -358,6 +358,15 @@ class Discovery:
             resp = await kv.get(key, timeout=5.0)
         return int(resp.kvs[0].lease) if resp.kvs else None
 
+    async def held(self, key: str) -> KeyTaken | None:
+        """`key`'s holder and value, as a create of it would find them (KeyTaken, not raised: its
+        holder 0 for a key put without a lease), or None when it does not exist."""
+        kv = self.client.kv
+        assert kv is not None
+        with self._calling(lambda exc: DiscoveryError(f"get {key} failed: {said(exc)}")):
+            resp = await kv.get(key, timeout=5.0)
+        return KeyTaken(key, int(resp.kvs[0].lease), bytes(resp.kvs[0].value)) if resp.kvs else None
+
     async def time_to_live(self, lease_id: int) -> tuple[int, int] | None:
         """(seconds left, TTL granted) of any lease, as etcd's leader counts them, the seconds left
         rounded down; None once it is gone. DiscoveryError when etcd does not answer."""

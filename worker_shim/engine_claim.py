@@ -31,7 +31,10 @@ A held claim is met as a held `--worker-name` is (worker_shim.shim): a holder pr
 without its stop) has its lease revoked and the claim is made at once (worker_shim.takeover);
 otherwise, for one lease TTL and a margin, it may be a crashed shim's whose lease expires, so the
 shim waits; past that it exits 2 naming `--engine-url` and the worker, host and lease that hold
-the engine.
+the engine. The claim is read so at each session's start too, before the shim binds the engine's
+event address: an engine that connects to its shim (an endpoint with no `*`, as `kvswitch up`
+starts one) has that address bound by the first shim, and a second one's bind failed first, with
+advice about --kv-events-mode that led nowhere (operator walkthrough of 2026-12-07).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from urllib.parse import urlsplit
 from discovery import KeyTaken
 from protocol import ConfigError, EngineClaim, ProtocolError, decode_json, subjects
 
-__all__ = ["claim", "engine_id", "host_relative", "taken", "this_host"]
+__all__ = ["claim", "claim_key", "engine_id", "host_relative", "taken", "this_host"]
 
 MACHINE_ID = "/etc/machine-id"  # systemd's; absent in most containers, where the host name tells pods apart
 # The names container runtimes give the machine a container runs on (Docker, Podman, Lima).
@@ -108,10 +111,14 @@ def engine_id(url: str, rank: int | None, hostname: str) -> str:
     return f"{where}:{port}{parts.path.rstrip('/')}" + (f"#dp{rank}" if rank else "")
 
 
+def claim_key(ns: str, url: str, rank: int | None) -> str:
+    """The key of the claim on the engine at `url`."""
+    return subjects.engine_key(ns, engine_id(url, rank, this_host()))
+
+
 def claim(ns: str, url: str, rank: int | None, worker: str) -> dict[str, EngineClaim]:
     """The claim `worker` makes on the engine at `url` (Registration's `claims`)."""
-    key = subjects.engine_key(ns, engine_id(url, rank, this_host()))
-    return {key: EngineClaim(worker=worker, engine_url=url, host=socket.gethostname())}
+    return {claim_key(ns, url, rank): EngineClaim(worker=worker, engine_url=url, host=socket.gethostname())}
 
 
 def taken(exc: KeyTaken, url: str, ttl: int) -> ConfigError:

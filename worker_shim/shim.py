@@ -430,6 +430,9 @@ class WorkerShim:
                 try:
                     if not await self._wait_healthy() or not await self._wait_progress():
                         return
+                    if not await self._keys_free():
+                        await self._rest(self.config.health_interval_s)
+                        continue
                     self.limits = await self._check_limits()
                     if self.event_sources.discovers:  # each session: a restarted engine may publish elsewhere
                         await self._discover_events()
@@ -1129,6 +1132,29 @@ class WorkerShim:
     def _engine_claim(self, worker: str) -> dict[str, EngineClaim]:
         c = self.config
         return engine_claim.claim(self.ns, c.engine_url, c.data_parallel_rank, worker)
+
+    async def _keys_free(self) -> bool:
+        """Whether --worker-name's key and the engine's claim may be made, read in the order the
+        registration creates them, before the session binds the engine's event address
+        (engine_claim): absent, or their holder proven gone and evicted. True too when etcd does not
+        answer: the registration's create meets that. False while a holder's lease may yet expire,
+        as at registration; past that, the ConfigError naming --worker-name or --engine-url."""
+        assert self._discovery is not None
+        c = self.config
+        keys = [subjects.worker_key(self.ns, c.worker_name)] if c.worker_name is not None else []
+        keys.append(engine_claim.claim_key(self.ns, c.engine_url, c.data_parallel_rank))
+        for key in keys:
+            try:
+                held = await self._discovery.held(key)
+            except DiscoveryError:
+                return True
+            if held is None or await self._took_over(held):
+                continue
+            if not self._held_may_free(held):
+                raise self._taken(held)
+            self.status = ShimStatus.REGISTERING  # etcd answered: the key is waited out
+            return False
+        return True
 
     async def _register(self) -> str | None:
         """The worker id once registered (its key and engine claim created); None when a key is

@@ -131,6 +131,19 @@ async def test_create_again_under_its_own_lease_puts_the_new_value_and_under_ano
         assert await d.holder(key) == ours.id
 
 
+async def test_held_reads_a_keys_holder_and_value_as_a_create_would_find_them(etcd_url: str, ns: str) -> None:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        key = f"/{ns}/engines/h:8000"
+        assert await d.held(key) is None
+        lease = await d.grant(30)
+        await d.create(key, b"claim", lease)
+        held = await d.held(key)
+        assert held is not None and (held.key, held.holder, held.value) == (key, lease.id, b"claim")
+        await d.put(key, b"by hand")
+        held = await d.held(key)
+        assert held is not None and (held.holder, held.value) == (0, b"by hand")
+
+
 async def test_router_registration_and_watch(etcd_url: str, ns: str) -> None:
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
         lease = await d.register_router(

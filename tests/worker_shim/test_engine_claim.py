@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 from etcd3aio import prefix_range_end
 
 from discovery import Discovery, KeyTaken, Registration
+from engine_sim.config import KVEventsConfig
 from engine_sim.server import SimServer
+from kvswitch.servers import free_ports
 from protocol import ConfigError, EngineClaim, WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings
 from tests.worker_shim.cluster import shim_for, sim_config
@@ -186,3 +189,25 @@ async def test_each_data_parallel_rank_of_one_server_claims_its_own_engine(etcd_
         assert await _workers(etcd_url, ns) == ["r1", "r2"]
         await first.stop()
         await second.stop()
+
+
+async def test_a_second_shim_on_an_engine_that_connects_to_its_shim_fails_on_the_claim_not_the_bind(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """The operator walkthrough's case: the engine connects to the shim's event address (no `*`, as
+    `kvswitch up` sets it), so the second shim's bind met the first's socket and it exited 2 naming
+    --kv-events-mode ('another process listens there ... Give --kv-events-mode connect'), advice
+    that led to 'found no engine' and only then to the claim's error. The claim is read first."""
+    port = free_ports(1)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    kv = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+    async with SimServer(sim_config(kv_events=kv)) as sim:
+        given: dict[str, Any] = {"kv_events": endpoint, "kv_replay": None, "kv_events_mode": "auto"}
+        async with shim_for(sim, ns, nats_url, etcd_url, worker_name="w1", **given) as shim:
+            await asyncio.wait_for(shim.registered.wait(), 20)
+            async with shim_for(sim, ns, nats_url, etcd_url, worker_name="w2", **given) as twin:
+                await asyncio.wait_for(twin.done.wait(), 30)
+                assert isinstance(twin.failure, ConfigError) and twin.failure.setting == "engine_url", twin.failure
+                assert "already served by worker w1" in str(twin.failure)
+                assert twin.sessions == 0 and twin.registration_count == 0
+            assert shim.status is ShimStatus.REGISTERED and shim.failure is None

@@ -7,6 +7,7 @@ replay; a shim cut off from a live etcd past its lease TTL said "serving" and no
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from types import SimpleNamespace
 from typing import cast
@@ -44,6 +45,18 @@ class _Clock:
 
 def _said(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
     return [r for r in caplog.records if text in r.getMessage()]
+
+
+async def wait_for_etcd(shim: WorkerShim, timeout: float = 20.0) -> None:
+    """Until the shim's own etcd client answers a read."""
+    assert shim._discovery is not None
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                await shim._discovery.held("/kvswitch-test/none")
+                return
+            except DiscoveryError:
+                await asyncio.sleep(0.1)
 
 
 def _failed(cause: BaseException) -> DiscoveryError:
@@ -319,6 +332,9 @@ async def test_registering_failing_ends_with_its_session(
             await wait_for(lambda: bool(_said(caplog, "waiting for the vllm engine")), what="the session's end")
             etcd_relay.accepting = True  # etcd back while the engine is down
             status, body = await health(shim.http.url)
+            # back for the shim too: its client out of gRPC's reconnect backoff, which each session's read
+            # of the engine's claim (_keys_free) may lengthen while etcd is gone
+            await wait_for_etcd(shim)
             up = True
             await wait_for(shim.registered.is_set, what="registered by the next session")
     assert status == 503 and body["etcd_why"] == "" and body["status"] == "waiting_engine", body
@@ -375,7 +391,11 @@ async def test_etcd_answering_with_the_worker_name_held_ends_the_episode_and_say
     async def not_proven(self: WorkerShim, exc: KeyTaken) -> bool:
         return False  # as under NATS credentials: the holder's lease is waited out
 
+    async def read_before_the_holders_create(self: WorkerShim) -> bool:
+        return True  # the session's read of the name (_keys_free) raced the holder's create: the registration meets it
+
     monkeypatch.setattr(WorkerShim, "_took_over", not_proven)
+    monkeypatch.setattr(WorkerShim, "_keys_free", read_before_the_holders_create)
     caplog.set_level(logging.INFO, logger="worker_shim.etcd_episodes")
     with EtcdServer() as etcd:  # its own: the alarm refuses every client's writes
         async with (
