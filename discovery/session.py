@@ -464,6 +464,23 @@ class Discovery:
                 return False
         return True
 
+    async def router_namespaces(self) -> list[str] | None:
+        """The namespaces a router is registered in (`/{ns}/routers/{router}` keys), read keys only
+        over the whole keyspace; None when this user may not read beyond its own namespace (a role
+        kvswitch secrets makes), DiscoveryError when etcd cannot say."""
+        assert self.client.kv is not None
+        with self._calling(lambda exc: DiscoveryError(f"reading the routers of every namespace failed: {said(exc)}")):
+            try:
+                resp = await self.client.kv.get(b"/", prefix_range_end(b"/"), keys_only=True, timeout=5.0)
+            except EtcdPermissionDeniedError:
+                return None
+        found: set[str] = set()
+        for kv in resp.kvs:
+            parts = bytes(kv.key).decode(errors="replace").split("/")
+            if len(parts) == 4 and parts[1] and parts[2] == "routers" and parts[3]:
+                found.add(parts[1])
+        return sorted(found)
+
     def watch_raw(self, prefix: str) -> AsyncGenerator[WatchEvent[bytes], None]:
         """The raw values under `prefix`, named by what follows it: for tests and debugging (no
         kvswitch process watches a prefix it does not decode)."""

@@ -23,7 +23,8 @@ ends (the shim stops) is said then by `flush`, in one line whatever RECORD_LINES
 said it after the stop, or never once the loop closed.
 
 `follow_routers` is the watch itself: it feeds an OrphanedLegs the routers' keys and checks their
-legs every ORPHAN_CHECK_S, for as long as the shim runs.
+legs every ORPHAN_CHECK_S, for as long as the shim runs; a RouterPresence (a namespace with no
+router said) is fed and checked with it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from discovery.refused_records import RefusedRecords
 from discovery.watch import keep_following, read_retried
 from protocol import RouterInfo, subjects
 from runtime import Throttle, TickErrors, cancel_and_wait
+from worker_shim.router_presence import RouterPresence
 
 __all__ = ["OrphanedLegs", "follow_routers"]
 
@@ -154,10 +156,16 @@ class OrphanedLegs:
 
 
 async def follow_routers(
-    discovery: Discovery, ns: str, orphans: OrphanedLegs, on_check_failed: Callable[[], None]
+    discovery: Discovery,
+    ns: str,
+    orphans: OrphanedLegs,
+    on_check_failed: Callable[[], None],
+    presence: RouterPresence | None = None,
+    worker: Callable[[], str | None] = lambda: None,
 ) -> None:
     """The routers' keys, and their legs here checked against them every ORPHAN_CHECK_S;
-    `on_check_failed()` for each check that raised (kvswitch_shim_task_failures_total)."""
+    `on_check_failed()` for each check that raised (kvswitch_shim_task_failures_total). `presence`
+    is fed the same keys and checked as often, with `worker()`, the worker id while registered."""
     prefix = subjects.routers_prefix(ns)
 
     async def follow() -> None:
@@ -177,6 +185,8 @@ async def follow_routers(
             return
         async for event in discovery.watch_routers():
             orphans.update(event)
+            if presence is not None:
+                presence.update(event)
 
     watch = asyncio.create_task(keep_following(follow, "the routers' watch"), name="shim-routers-watch")
     errors = TickErrors(log, "checking the legs of routers gone from etcd", every_s=ORPHAN_ERROR_SAID_S, per_kind=True)
@@ -185,6 +195,8 @@ async def follow_routers(
             await asyncio.sleep(ORPHAN_CHECK_S)
             try:
                 orphans.check()
+                if presence is not None:
+                    await presence.check(worker())
             except Exception as exc:
                 # One check's bug must not end the watchdog for good (it did, without a word).
                 on_check_failed()

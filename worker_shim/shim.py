@@ -98,6 +98,7 @@ from worker_shim.normaliser import Normaliser, NormaliserStats
 from worker_shim.orphaned_legs import OrphanedLegs, follow_routers
 from worker_shim.rebuild_guard import RebuildGuard
 from worker_shim.request_service import RequestService, leg_cap
+from worker_shim.router_presence import RouterPresence
 from worker_shim.stall_watchdog import StallWatchdog
 from worker_shim.tokenizer_probe import TokenizerRetry, registered_as, transient
 from worker_shim.transfer_failures import TransferFailures
@@ -1735,7 +1736,14 @@ class WorkerShim:
     async def _follow_routers(self, orphans: OrphanedLegs) -> None:
         """The routers' keys, and their legs here checked against them (worker_shim.orphaned_legs)."""
         assert self._discovery is not None
-        await follow_routers(self._discovery, self.ns, orphans, lambda: self._count_task_failure("orphan_check"))
+        await follow_routers(
+            self._discovery,
+            self.ns,
+            orphans,
+            lambda: self._count_task_failure("orphan_check"),
+            RouterPresence(self._discovery, self.ns),
+            lambda: self.worker_id if self.registered.is_set() else None,
+        )
 
     # --- stop -----------------------------------------------------------------------------------
 

@@ -332,7 +332,13 @@ async def test_etcd_gone_before_the_routers_first_read_is_said_once_not_a_crash_
 
             d.readable = counted  # type: ignore[method-assign]
             etcd.stop()
-            parts = {"_discovery": d, "ns": "t", "task_failures": collections.Counter()}
+            parts = {
+                "_discovery": d,
+                "ns": "t",
+                "task_failures": collections.Counter(),
+                "worker_id": None,
+                "registered": asyncio.Event(),
+            }
             shim = cast(WorkerShim, type("Shim", (), parts)())  # what _follow_routers reads of a shim
             orphans = _orphans(_Legs(), _Clock())
             watchdog = asyncio.create_task(WorkerShim._follow_routers(shim, orphans), name="shim-routers")

@@ -1,0 +1,102 @@
+"""A shim whose namespace no router serves says so (worker_shim.router_presence; real etcd, nats,
+sim). The operator walkthrough's case: a router in `kvswitch`, a shim given `--namespace kvswich`
+that registered with nothing but INFO "registered worker ... at /kvswich/workers/...", neither side
+warning."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from discovery import Discovery
+from engine_sim.server import SimServer
+from protocol import RouterInfo
+from protocol.config import EtcdSettings
+from tests.worker_shim.cluster import shim_for, sim_config, wait_for
+from worker_shim import router_presence
+
+
+def _router(rid: str) -> RouterInfo:
+    return RouterInfo(router=rid, http_url="http://127.0.0.1:1", started_at=1.0)
+
+
+def _said(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if text in r.getMessage()]
+
+
+async def test_a_worker_whose_namespace_no_router_serves_is_said_once_naming_namespace_and_where_routers_are(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(router_presence, "NO_ROUTER_GRACE_S", 0.5)
+    caplog.set_level(logging.INFO, logger="worker_shim.router_presence")
+    router_ns = ns + "r"  # the namespace the operator meant
+    async with (
+        Discovery(EtcdSettings(endpoints=[etcd_url]), router_ns) as meant,
+        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as given,
+    ):
+        await meant.register_router(_router)
+        async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
+            await wait_for(shim.registered.is_set, 20, "registered")
+            await wait_for(lambda: bool(_said(caplog, "no router is registered")), 10, "the warning")
+            await asyncio.sleep(2.5)  # checks enough to say it again, were it said each check
+            [warned] = _said(caplog, "no router is registered")
+            said = warned.getMessage()
+            assert warned.levelno == logging.WARNING
+            assert f"no router is registered in namespace {ns} (no key under /{ns}/routers/" in said
+            assert f"while worker {shim.worker_id} is registered" in said and "check --namespace" in said
+            assert "routers are registered in namespace(s) " in said and router_ns in said.split("namespace(s) ")[1]
+            await given.register_router(_router)
+            await wait_for(lambda: bool(_said(caplog, "a router is registered in namespace")), 10, "the router seen")
+            [seen] = _said(caplog, "a router is registered in namespace")
+            assert seen.levelno == logging.INFO and f"namespace {ns} now" in seen.getMessage()
+
+
+async def test_a_worker_whose_namespace_has_a_router_says_nothing_of_it(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(router_presence, "NO_ROUTER_GRACE_S", 0.5)
+    caplog.set_level(logging.INFO, logger="worker_shim.router_presence")
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        await d.register_router(_router)
+        async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
+            await wait_for(shim.registered.is_set, 20, "registered")
+            await asyncio.sleep(2.5)  # past the grace, a check each second
+    assert not _said(caplog, "router is registered")
+
+
+async def test_a_user_that_may_not_read_other_namespaces_is_told_to_check_namespace_alone(
+    ns: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def denied() -> None:
+        return None  # Discovery.router_namespaces under a role of one namespace
+
+    caplog.set_level(logging.INFO, logger="worker_shim.router_presence")
+    now = [0.0]
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        monkeypatch.setattr(d, "router_namespaces", denied)
+        presence = router_presence.RouterPresence(d, ns, 30.0, clock=lambda: now[0])
+        async for event in d.watch_routers():
+            presence.update(event)  # the snapshot: no router
+            break
+        await presence.check(None)  # not registered: nothing judged
+        now[0] = 100.0
+        await presence.check("w")
+        now[0] = 129.0
+        await presence.check("w")
+        assert not presence.said
+        now[0] = 130.0
+        await presence.check("w")
+    [warned] = _said(caplog, "no router is registered")
+    assert f"no key under /{ns}/routers/ for 30s while worker w" in warned.getMessage()
+    assert warned.getMessage().endswith("this etcd user may not read other namespaces to say which have one")
+
+
+async def test_router_namespaces_reads_the_namespaces_with_a_router_key(etcd_url: str, ns: str) -> None:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        await d.register_router(_router)
+        await d.put_raw(f"/{ns}x/routers", b"")  # no router id: not a router's key
+        await d.put_raw(f"/{ns}y/routers/a/b", b"")  # deeper: not one either
+        found = await d.router_namespaces()
+    assert found is not None and ns in found and ns + "x" not in found and ns + "y" not in found
