@@ -695,6 +695,9 @@ class _FakeCluster:
     def next_restart(self) -> None:
         return None
 
+    def own_commands(self) -> list[str]:
+        return []
+
     def stop(self, grace_s: float = 0.0, *, again: str = "") -> list[str]:
         self.stops += 1
         return self.killed
