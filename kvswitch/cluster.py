@@ -46,7 +46,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import yaml
 
@@ -68,7 +68,6 @@ from kvswitch.servers import (
     port_taken,
 )
 from protocol import subjects
-from protocol.config import load_file
 from protocol.messages import RouterInfo, decode_json
 from protocol.port_holders import port_holders
 from protocol.timing import speed_profile
@@ -140,6 +139,9 @@ class ClusterSpec:
     block_size: int = 16
     max_num_batched_tokens: int = 8192
     router_args: list[str] = field(default_factory=list)
+    # The mapping of the router --config in `router_args`, as up's check of the router flags read it:
+    # LocalCluster.own_commands copies this, not the file, which may be gone or half-saved by then.
+    router_file: dict[str, Any] = field(default_factory=dict)
     sim_args: list[str] = field(default_factory=list)
     shim_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
@@ -271,8 +273,8 @@ class LocalCluster:
         file (`--config`, 0600, in the private secrets directory removed on stop), never on the
         command line or in this output. The router's line carries the router flags given to up
         (`router_args`; they were checked, then dropped): a --config of the operator's is copied
-        into the role's file, with the etcd keys added, as one --config only is read. Empty
-        otherwise."""
+        into the role's file as the check read it (`router_file`), with the etcd keys added, as one
+        --config only is read. Empty otherwise."""
         spec = self.spec
         if not (spec.etcd_auth or spec.nats_auth) or self._worker_names() or self.secrets_dir is None:
             return []
@@ -286,7 +288,7 @@ class LocalCluster:
                 settings.touch(mode=0o600)
                 settings.chmod(0o600)
                 login = {"etcd_user": role, "etcd_password": self._etcd_passwords[role]}
-                settings.write_text(yaml.safe_dump({**(load_file(config) if config else {}), **login}))
+                settings.write_text(yaml.safe_dump({**spec.router_file, **login}))
                 argv += ["--config", str(settings)]
             elif config is not None:
                 argv += ["--config", config]

@@ -204,7 +204,7 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
     # etcd and the sims start (a shim's refusal was exit 1 after them all, its words in its log).
     with _stand_ins(args) as connection:
         if extra or routers:
-            settings = _check_router_args(extra, args, connection)
+            settings, spec.router_file = _check_router_args(extra, args, connection)
             if routers:
                 _check_pools(args, settings)
         _check_shims(spec, connection)
@@ -409,10 +409,12 @@ def _unknown_flags(unknown: list[str], router: argparse.ArgumentParser) -> str:
     )
 
 
-def _check_router_args(extra: list[str], args: argparse.Namespace, connection: dict[str, Any]) -> RouterSettings:
+def _check_router_args(
+    extra: list[str], args: argparse.Namespace, connection: dict[str, Any]
+) -> tuple[RouterSettings, dict[str, Any]]:
     """The routers' settings, resolved now by the router's own rules from `extra` and the
     environment, as each replica will resolve them: contradictory flags are refused before
-    anything starts."""
+    anything starts. With them, the mapping of the --config file the check read ({} without one)."""
     try:
         router_cli = importlib.import_module("router.cli")
     except ImportError as exc:
@@ -447,9 +449,10 @@ def _check_router_args(extra: list[str], args: argparse.Namespace, connection: d
         config = router_cli.build_config(ns)
         if args.secure:
             _check_response_ttl(config.request_timeout_s)
-        return resolve(RouterSettings, cli=config.overrides, file=config.file_settings)
+        settings = resolve(RouterSettings, cli=config.overrides, file=config.file_settings)
     except ConfigError as exc:
         raise UpFlagError(f"kvswitch up: {exc}") from None
+    return settings, config.file_settings
 
 
 def _check_response_ttl(request_timeout_s: float) -> None:

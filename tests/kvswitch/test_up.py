@@ -12,6 +12,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -833,3 +834,24 @@ def test_secure_with_no_workers_carries_the_router_flags_and_a_copy_of_its_confi
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_secure_with_no_workers_copies_the_router_config_as_checked_though_the_file_is_gone_by_then(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The router's --config was read again for its copy after NATS and etcd had started: a file removed
+    # (or half-saved) meanwhile ended `kvswitch up` in a ConfigError traceback (review, 2026-12-07).
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("max_body_bytes: 1048576\n")
+    spec = _spec(_up_args(["--secure", "--config", str(mine)]))
+    mine.unlink()
+    cluster = LocalCluster(spec)
+    try:
+        cluster.start()
+        argv = next(shlex.split(line) for line in cluster.own_commands() if line.startswith("kvswitch router "))
+        settings = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+        assert settings.pop("etcd_user") == "router" and settings.pop("etcd_password")
+        assert settings == {"max_body_bytes": 1048576}
+    finally:
+        cluster.stop()
