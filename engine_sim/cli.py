@@ -280,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         _check_listen(config, count)
         _check_event_ports(config, count)
     except ValueError as exc:  # a SimConfigError, or check_speedup's
-        print(f"kvswitch sim: error: {exc}", file=sys.stderr)
+        print(f"kvswitch sim: {exc}", file=sys.stderr)
         return 2
 
     async def main(stop: asyncio.Event) -> int:
@@ -289,12 +289,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             await fleet.start()
         except OSError as exc:  # taken since _check_listen
-            print(f"kvswitch sim: error: {_listen_refused(config, count, None, exc)}", file=sys.stderr)
+            print(f"kvswitch sim: {_listen_refused(config, count, None, exc)}", file=sys.stderr)
             return 2
         except zmq.ZMQError as exc:  # a port taken since _check_event_ports, or a name's
-            print(
-                f"kvswitch sim: error: --kv-events-config: cannot bind or connect its endpoints: {exc}", file=sys.stderr
-            )
+            print(f"kvswitch sim: --kv-events-config: cannot bind or connect its endpoints: {exc}", file=sys.stderr)
             return 1
         if count > 1:
             tune_gc()

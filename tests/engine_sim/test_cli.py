@@ -108,7 +108,7 @@ def test_a_speedup_past_the_profile_bounds_is_refused_naming_the_flag(
     assert run(parse("--port", "0", "--speedup", speedup)) == 2
     err = capsys.readouterr().err
     want = f"--speedup must be a number in 0.001..1000000 (times the profile's speed), got {float(speedup)!r}"
-    assert err == f"kvswitch sim: error: {want}\n", err
+    assert err == f"kvswitch sim: {want}\n", err
 
 
 def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_as_vllm_does(capsys: pytest.CaptureFixture[str]) -> None:
@@ -236,7 +236,7 @@ def test_an_address_it_cannot_listen_on_exits_2_naming_the_flag(
             holder.listen()
         assert run(parse(*(a.format(p=port) for a in argv))) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvswitch sim: error: " + said.format(p=port, h=port + (held or 0), pid=os.getpid())), err
+    assert err.startswith("kvswitch sim: " + said.format(p=port, h=port + (held or 0), pid=os.getpid())), err
     if held is not None:  # who holds it, then what to change: it was "(Address already in use)" alone
         assert re.search(r"\): choose another --port, or --port 0 for (a )?free ones?\n$", err), err
 

@@ -157,7 +157,7 @@ def test_an_event_port_another_process_listens_on_is_named_with_its_holder(
         assert run(parse("--port", "0", "--kv-events-config", _events(**endpoints))) == 2
     out, err = capsys.readouterr()
     assert err == (
-        f"kvswitch sim: error: invalid --kv-events-config = 'tcp://*:{port}': it binds {key}: cannot bind port {port} "
+        f"kvswitch sim: invalid --kv-events-config = 'tcp://*:{port}': it binds {key}: cannot bind port {port} "
         f"(Address already in use; port {port} is held by pid {os.getpid()} ({_cmdline()})): give its endpoint and "
         "replay_endpoint other ports\n"
     ), err
@@ -175,7 +175,7 @@ def test_a_fleets_event_port_held_is_refused_before_any_engine_starts_naming_tha
         assert run(parse("--port", "0", "--count", "2", "--kv-events-config", kv)) == 2
     out, err = capsys.readouterr()
     assert err == (
-        f"kvswitch sim: error: invalid --kv-events-config = 'tcp://127.0.0.1:{port - 1}': engine 1 of --count 2 binds "
+        f"kvswitch sim: invalid --kv-events-config = 'tcp://127.0.0.1:{port - 1}': engine 1 of --count 2 binds "
         f"replay_endpoint + 1: cannot bind port {port} (Address already in use; port {port} is held by pid "
         f"{os.getpid()} ({_cmdline()})): give its endpoint and replay_endpoint other ports\n"
     ), err
