@@ -154,3 +154,18 @@ async def test_a_body_of_another_media_type_left_unread_closes_the_connection(cl
         answers = await _pipelined(router.url, sent)
         assert len(answers) == 1 and answers[0][0].startswith(b"HTTP/1.1 400 "), answers
         assert b"connection: close" in answers[0][0].lower()
+
+
+async def test_a_body_fastapi_decodes_as_json_over_the_limit_or_late_is_the_413_or_408(cluster: Cluster) -> None:
+    """A body sent as application/*+json is read before its media-type 400, as FastAPI reads it:
+    one over --max-body-bytes is the 413, one that does not arrive the 408, each closing (until
+    2026-12-07 the media-type 400)."""
+    await cluster.add_worker("agg")
+    limits = HttpLimits(max_body_bytes=1024, body_timeout_s=0.5)
+    router = await cluster.add_ready_router(disagg="never", config={"http_limits": limits})
+    over = _post(b"x" * 1025, "application/vnd.api+json")
+    late = _post(b"", "application/vnd.api+json").replace(b"Length: 0", b"Length: 10")  # never sent
+    for sent, status in ((over, b"413"), (late, b"408")):
+        answers = await _pipelined(router.url, [sent])
+        assert len(answers) == 1 and answers[0][0].startswith(b"HTTP/1.1 " + status + b" "), answers
+        assert b"connection: close" in answers[0][0].lower()
