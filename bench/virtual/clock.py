@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["VirtualClock"]
+__all__ = ["VirtualClock", "last_round"]
 
 
 class VirtualClock:
@@ -43,3 +44,31 @@ class VirtualClock:
             self.now = when
             self.events += 1
             fn(*args)
+
+
+def last_round(start: float, steps: Sequence[float], until: float) -> float:
+    """Where a loop that adds `steps` (each >= 0) to its time in turn, as repeated `after` calls
+    do, stands after its last whole round from `start` ending at or before `until` (`start` if the
+    first ends later): the very float the additions reach, in a few rounds per binade.
+
+    Why a jump is exact: within one binade every time is a whole number of ulps and each addition
+    adds a fixed number of them, but for a tie, which rounds to even whatever the time was; so a
+    round's end parity does not depend on its start, and from the second round on each round adds
+    the same number of ulps."""
+
+    def round_(t: float) -> float:
+        for step in steps:
+            t += step
+        return t
+
+    t = start
+    while t < (t1 := round_(t)) <= until:
+        t2 = round_(t1)
+        end = min(until, math.ldexp(1.0, math.frexp(t)[1]))  # t's binade ends at 2**e
+        if t > 0 and t2 < end:
+            period = t2 - t1  # exact: both in t's binade
+            rounds = math.floor((end - t1) / period) - 2  # two spare for the division's rounding
+            t = t1 + rounds * period if rounds > 0 else t1
+        else:
+            t = t1
+    return t

@@ -12,9 +12,11 @@
   prefill tokens) publishes MIN_GAP_S later, pokes in that gap folded in, and a report goes at
   least every DEFAULT_PERIOD_S (the heartbeat), changed or not, cutting the gap short at that
   deadline; each report delivered to every router `load_report_s` later. While the fleet is quiet
-  (`quiet_until`: no request in flight, every engine idle) both loops skip whole periods to
-  QUIET_MARGIN_S before the next arrival: each tick in between read the same idle engine, and a run
-  at a tiny rate spent its wall time on them (5 requests at 1e-6 times the trace's rate took 79 s).
+  (`quiet_until`: no request in flight, every engine idle) both loops skip to their last tick
+  QUIET_MARGIN_S before the next arrival (the poll's a heartbeat and a poll earlier), at the very
+  float their additions reach (`last_round`), so every report a router gets is one ticking through
+  sends at that moment, byte for byte: each tick in between read the same idle engine, and a run at
+  a tiny rate spent its wall time on them (5 requests at 1e-6 times the trace's rate took 79 s).
 - Legs: a leg becomes a SimRequest as the vLLM adapter and engine_sim's HTTP API build it: a prefill
   leg with `do_remote_decode` and one output token, a decode leg with the prefill leg's
   kv_transfer_params (unless bypassed), anything else prefilled locally. While a leg waits for
@@ -27,11 +29,10 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from bench.virtual.clock import VirtualClock
+from bench.virtual.clock import VirtualClock, last_round
 from bench.virtual.delays import Delays
 from bench.virtual.engine import OutputSink, VirtualEngine
 from bench.virtual.engine_hash import ChainedRequest
@@ -51,8 +52,9 @@ if TYPE_CHECKING:
 __all__ = ["POLL_S", "VirtualShim"]
 
 POLL_S = 0.25  # the shim's engine poll (worker_shim.shim: min(0.25, health_interval_s))
-# Ticks resume this long before the next arrival after a quiet stretch: the routers then hold fresh
-# reports and the readings' spacing is the usual one, as if no tick had been skipped.
+# Heartbeats resume this long before the next arrival after a quiet stretch, so the routers hold
+# the reports ticking would have given them; polls a heartbeat and a poll earlier, so the first
+# heartbeat carries the reading ticking's would.
 QUIET_MARGIN_S = 10 * DEFAULT_PERIOD_S
 
 _Sample = tuple[int, int, float]  # running, waiting, KV usage
@@ -107,7 +109,9 @@ class VirtualShim:
         self._timing = _Timing(0, 0, 0, 0.0, 0, 0, 0, 0.0, 0)
         self._sampled_at = 0.0
         self._last_key: tuple[object, ...] | None = None
-        self._last_sent = float("-inf")
+        # The heartbeat's: the last report's time plus DEFAULT_PERIOD_S, or the tick it skipped to
+        # (a poke after a skip cuts its gap at that, not at the past deadline, which published at once).
+        self._deadline = float("-inf")
         self._gap = False  # the publish loop sleeps MIN_GAP_S after a poke (else it waits for one)
         self._wake_gen = 0  # the publish loop's pending wake-up; an older one is stale
         # The fleet's next arrival while nothing else can change what this shim reads (else None).
@@ -213,23 +217,21 @@ class VirtualShim:
         if not self._gap:
             self._gap = True
             self._wake_gen += 1
-            wake = min(self.clock.now + MIN_GAP_S, self._last_sent + DEFAULT_PERIOD_S)
+            wake = min(self.clock.now + MIN_GAP_S, self._deadline)
             self.clock.at(wake, self._wake, self._wake_gen)
 
     def _arm(self) -> None:
         """The publish loop waits for a poke, or for the heartbeat's deadline."""
         self._gap = False
         self._wake_gen += 1
-        self.clock.at(self._ahead(self._last_sent + DEFAULT_PERIOD_S, DEFAULT_PERIOD_S), self._wake, self._wake_gen)
+        self._deadline = self._ahead(self._deadline, (DEFAULT_PERIOD_S,), QUIET_MARGIN_S)
+        self.clock.at(self._deadline, self._wake, self._wake_gen)
 
-    def _ahead(self, due: float, period: float) -> float:
-        """`due`, or, while the fleet is quiet, the same phase of its loop whole periods later, at
-        least QUIET_MARGIN_S before the next arrival."""
+    def _ahead(self, due: float, steps: tuple[float, ...], margin: float) -> float:
+        """`due`, or, while the fleet is quiet, the tick its loop (adding `steps` in turn) would
+        reach last, bit for bit, at least `margin` before the next arrival."""
         until = self.quiet_until()
-        if until is None:
-            return due
-        skip = math.floor((until - QUIET_MARGIN_S - due) / period)
-        return due + skip * period if skip > 0 else due
+        return due if until is None else last_round(due, steps, until - margin)
 
     def _wake(self, gen: int) -> None:
         if gen != self._wake_gen:
@@ -253,7 +255,10 @@ class VirtualShim:
         self.poke()
         due = self.clock.now + POLL_S
         # Only after a reading of the quiet engine: the routers must see its last state before the skip.
-        self.clock.at(self._ahead(due, POLL_S + self.delays.engine_read_s) if quiet else due, self._poll)
+        if quiet:
+            read = self.delays.engine_read_s
+            due = self._ahead(due, (read / 2, read / 2, POLL_S), QUIET_MARGIN_S + DEFAULT_PERIOD_S + POLL_S + read)
+        self.clock.at(due, self._poll)
 
     def _read(self) -> _Reading:
         e = self.engine
@@ -310,10 +315,10 @@ class VirtualShim:
         rep = self.report()
         key = (rep.running, rep.waiting, rep.kv_used_blocks, rep.prefill_tokens_queued)
         now = self.clock.now
-        # The deadline as _arm computes it: `now - last_sent` may round below the period there.
-        if key == self._last_key and now < self._last_sent + DEFAULT_PERIOD_S:
+        # The deadline itself, as the wake-up was set (`now - last sent` may round below the period).
+        if key == self._last_key and now < self._deadline:
             return
-        self._last_key, self._last_sent = key, now
+        self._last_key, self._deadline = key, now + DEFAULT_PERIOD_S
         self.reports += 1
         at = now + self.delays.load_report_s
         for router in self.routers:

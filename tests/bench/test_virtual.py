@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import datetime
 import itertools
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType, MethodType, ModuleType
 
 import msgspec
@@ -26,6 +27,7 @@ from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
 from bench.workloads import WorkItem, from_trace, multi_turn
 from engine_sim.request import SimRequest
 from engine_sim.scheduler import Scheduler, StepOutput
+from protocol import LoadReport
 from protocol.timing import TimingModel
 
 PROFILE = "h200:llama-3.1-8b"
@@ -479,3 +481,55 @@ def test_a_waiters_429_names_its_wait_as_configured() -> None:
     fleet = _fleet("--disagg", "never", "--slo-ttft-s", "0.05", routers=1, prefill=0, decode=0, agg=1)
     errors = {r.error for r in fleet.run(_items(30), TokenSynth(0), rate=20).results() if not r.ok}
     assert "no worker had room within 0.025s" in errors
+
+
+def _bursts(gaps: Sequence[float], per: int) -> list[WorkItem]:
+    """`per` requests of the trace after each of `gaps` quiet seconds."""
+    items = _items(len(gaps) * per)
+    out: list[WorkItem] = []
+    t = 0.0
+    for n, gap in enumerate(gaps):
+        burst = items[n * per : (n + 1) * per]
+        t += gap
+        out += [dataclasses.replace(item, arrival_s=t + (item.arrival_s - burst[0].arrival_s)) for item in burst]
+        t = out[-1].arrival_s
+    return out
+
+
+def _run_gaps(items: list[WorkItem], configuration: str, seed: int, ticking: bool) -> tuple[bytes, set[object]]:
+    """The results, and every report the routers got: when, which router, the report's bytes."""
+    fleet = _fleet(*CONFIGURATIONS[configuration].router_args, seed=seed)
+    got: set[object] = set()
+
+    def recording(name: str, take: Callable[[LoadReport], None]) -> Callable[[LoadReport], None]:
+        def on_load(report: LoadReport) -> None:
+            got.add((fleet.clock.now, name, msgspec.json.encode(report)))
+            take(report)
+
+        return on_load
+
+    for router in fleet.routers:
+        router.on_load = recording(router.name, router.on_load)  # type: ignore[method-assign,assignment]
+    if ticking:
+        for shim in fleet.shims.values():
+            shim.quiet_until = lambda: None
+    run = fleet.run(items, TokenSynth(0), rate=1.0)
+    return msgspec.json.encode(run.results()), got
+
+
+@pytest.mark.parametrize("configuration", ["slo_aware", "ttft_model"])
+def test_every_report_after_a_quiet_stretch_is_one_ticking_through_sends(configuration: str) -> None:
+    """After a quiet stretch each loop resumed on its own, `due + n * period`: a poll coming back
+    before the heartbeat resumed poked against the last report's time from before the skip, so a
+    heartbeat went out at once and its phase moved; and the resumed times differed from ticking's
+    sums in their last bits. The routers held other reports, and calibrating policies (2 routers,
+    30-100 s gaps, seed 4) routed 6 of 60 requests otherwise. Now both loops resume at ticking's
+    very floats, the poll first, so every report a router gets is one ticking through delivers at
+    that moment, byte for byte, and the results are byte-identical."""
+    items = _bursts((46.5, 37.2, 57.7, 40.8), per=6)
+    for seed in range(4):
+        skipped, reports = _run_gaps(items, configuration, seed, ticking=False)
+        ticked, ticked_reports = _run_gaps(items, configuration, seed, ticking=True)
+        assert skipped == ticked
+        assert reports <= ticked_reports
+        assert len(reports) * 3 < len(ticked_reports)  # the quiet stretches were skipped
