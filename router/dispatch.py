@@ -295,6 +295,26 @@ async def _cut_short(leg: Leg, chunk: ResponseChunk, until: float, silence_s: fl
             return  # ended with an error, or not heard of in time: cancelled again as it is left
 
 
+# kvswitch_router_worker_legs_failed_total's kinds: the worker's engine failed the leg (a 5xx but
+# 503), turned it away for load (429, 503, a 408 before it), could not be reached (its shim's 503
+# engine_unavailable), the worker went unheard (no responder, silent, chunks lost), or its reply
+# broke the protocol. A client's refusal, its leaving and the router's own limits are no worker's.
+LEG_FAILED_KINDS = ("engine_error", "engine_busy", "engine_unavailable", "unreachable", "malformed")
+
+
+def _failed_kind(exc: LegError) -> str | None:
+    """`exc`'s kind among LEG_FAILED_KINDS, None for a failure that is not its worker's."""
+    if exc.busy or (exc.kind == "engine_error" and exc.code == 503):
+        return "engine_busy"
+    if exc.engine_failed:
+        return "engine_error"
+    if exc.kind == "engine_unavailable":
+        return "engine_unavailable"
+    if exc.worker_silent or exc.kind in ("no_responders", "stream_gap"):
+        return "unreachable"
+    return "malformed" if exc.malformed else None
+
+
 class Dispatcher:
     """Owns the reply inbox subscription; not the NATS connection. `stop()` is idempotent."""
 
@@ -311,6 +331,7 @@ class Dispatcher:
         on_malformed: Callable[[str, str], None] = lambda worker, why: None,
         on_pull: Callable[[str, str], Callable[[], None]] = lambda decode, prefill: _nothing,
         on_prefill: Callable[[str, str | None, bool], None] = lambda worker, fault, serves_whole: None,
+        on_engine: Callable[[str, str | None], None] = lambda worker, fault: None,
         tracer: RequestTracer | None = None,
         origin: str = "",
         registered: Callable[[str], bool] = lambda worker: True,
@@ -344,6 +365,9 @@ class Dispatcher:
         # (prefill worker, its fault or None, whether its engine still serves whole requests) per
         # prefill leg that worked or failed through that worker
         self._on_prefill = on_prefill
+        # (worker, its engine's server error or None) per decode or agg leg that failed before its
+        # first output with one, or gave that output (router.eligibility's `engine_failing`)
+        self._on_engine = on_engine
         self._ns = ns
         self._bookings = bookings
         self._settings = settings  # read per leg: live config changes apply to the next one
@@ -362,6 +386,8 @@ class Dispatcher:
         self.resumes = 0
         self.slow_readers = 0  # legs dropped because their client read too slowly (MAX_QUEUED_BYTES, self.buffers)
         self.malformed_replies: Counter[str] = Counter()  # by worker, while it is registered
+        # decode and agg legs failed before their first output, by (worker, LEG_FAILED_KINDS), while it is registered
+        self.legs_failed: Counter[tuple[str, str]] = Counter()
         self.refusal_fallbacks = 0  # requests a prefill engine refused that the decode engine then served
         # requests a prefill worker's engine refused and a decode engine served, by prefill worker
         # while it is registered: an engine configured unlike its decode workers
@@ -493,6 +519,8 @@ class Dispatcher:
         stall past its TTL, an etcd pause, a revoke)."""
         self.malformed_replies.pop(worker, None)
         self.refusals_overruled.pop(worker, None)
+        for key in [key for key in self.legs_failed if key[0] == worker]:
+            del self.legs_failed[key]
         for failures in self._generation_failures + self._utility_failures:
             failures.forget(worker)
 
@@ -781,6 +809,8 @@ class Dispatcher:
                 return
             except LegError as exc:
                 self._blame(exc)
+                if job.first_token_at is None and exc.role != "prefill" and job.transfer is None:
+                    self._failed_before_output(exc)
                 if exc.engine_failed:
                     job.prefill_error = None  # it failed here too: the request's doing, not the prefill worker's
                 retry = job.first_token_at is None and exc.retryable and job.attempts == 1
@@ -805,6 +835,16 @@ class Dispatcher:
                 self.retries += 1
             finally:
                 self._free(job)
+
+    def _failed_before_output(self, exc: LegError) -> None:
+        """A decode or agg leg failed before its first output (not a pull of a transfer: router.transfer_health's):
+        counted by worker and kind, and an engine's own server error reported (`on_engine`)."""
+        kind = _failed_kind(exc)
+        if kind is None or not self._registered(exc.worker):
+            return
+        self.legs_failed[exc.worker, kind] += 1
+        if kind == "engine_error":
+            self._on_engine(exc.worker, f"{exc.code} {brief(exc.message)}")
 
     def _free(self, job: Job, *, served: bool = False) -> None:
         """Free the attempt's booking, once: at its decode leg's end (`served`: its worker prefilled the
@@ -992,6 +1032,7 @@ class Dispatcher:
                         job.first_token_at = time.monotonic()
                         for failures in self._generation_failures:
                             failures.served(plan.decode.worker)
+                        self._on_engine(plan.decode.worker, None)
                         self._prefill_done(job)
                     elif chunk.prefilled:
                         self._prefill_done(job)  # a whole answer's prefill, done before any output

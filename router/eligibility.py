@@ -40,6 +40,17 @@ while (first reason wins):
   (router.fleet_lines), for the failures and the ends alike;
 - `draining`: its shim got SIGTERM (LoadReport.draining): its requests in flight finish, a new one
   would be refused, so none is sent (a rolling restart costs no retry);
+- `engine_failing`: a decode or agg worker whose last ENGINE_FAILING_AFTER requests (within
+  ENGINE_FAILING_WINDOW_S) failed before their first output with its engine's own server error (an
+  `engine_error` 5xx but 503, which is load; not a client's 4xx, nor a busy 429): an engine whose
+  /health answers while every completion fails, which nothing else here sees (2026-12-07: one such
+  worker of three drew a sixth of the requests for good, each a failed leg and a retry, two such
+  gave clients errors). It ends ENGINE_COOLDOWN_S after its last such failure, when one request
+  tries it again: a leg with output ends the episode, a failure doubles the wait up to
+  ENGINE_COOLDOWN_MAX_S. Soft, as `engine_unhealthy`: with no other worker of its pool routable it
+  serves. Its start is a WARNING naming the worker, the count, the engine's last error and the
+  wait, its end an INFO (capped for the fleet as `prefill_failing`'s). `prefill_failing` and this
+  are one mechanism (router.failing_workers);
 - `engine_unhealthy`: its shim reports the engine failing its load polls (down, or too loaded to
   answer in time). Soft: such a worker is left out only while a healthy one of its pool remains,
   since a whole fleet too busy to answer its probes must still serve rather than refuse everything.
@@ -63,18 +74,22 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import msgspec
 
 from protocol.messages import WorkerInfo
+from router.failing_workers import FailingWorkers
 from router.fleet_lines import NAMED_AT_MOST, FleetEpisodes, FleetLines, FleetLog
 from router.fleet_vote import Ballot, Fit, Standing, model_value, votes
 from router.load_view import Liveness
 
 __all__ = [
     "DEFAULT_PERIOD_S",
+    "ENGINE_COOLDOWN_MAX_S",
+    "ENGINE_COOLDOWN_S",
+    "ENGINE_FAILING_AFTER",
+    "ENGINE_FAILING_WINDOW_S",
     "MALFORMED_COOLDOWN_S",
     "NAMED_AT_MOST",
     "PREFILL_COOLDOWN_S",
@@ -93,6 +108,10 @@ DEFAULT_PERIOD_S = 1.0
 SILENT_PERIODS = 3
 MALFORMED_COOLDOWN_S = 30.0  # one request retried elsewhere per this, per worker sending garbage
 PREFILL_COOLDOWN_S = 30.0  # one prefill leg lost per this, per prefill worker failing them
+ENGINE_FAILING_AFTER = 3  # requests failed in a row with engine server errors ...
+ENGINE_FAILING_WINDOW_S = 60.0  # ... within this, to leave a worker out
+ENGINE_COOLDOWN_S = 10.0  # one request tries it again this long after its last failure ...
+ENGINE_COOLDOWN_MAX_S = 300.0  # ... the wait doubled by each such try that fails, up to this
 
 _T = TypeVar("_T")
 
@@ -111,16 +130,6 @@ def few_ids(ids: Sequence[str]) -> str:
     return named if len(ids) <= NAMED_AT_MOST else f"{named} and {len(ids) - NAMED_AT_MOST} more"
 
 
-@dataclass(slots=True)
-class _PrefillEpisode:
-    """A prefill worker's run of failed prefill legs (`prefill_failing`)."""
-
-    failed_at: float  # its last failed leg
-    why: str
-    serves_whole: bool  # it only gave no usable transfer handle: its engine serves whole requests
-    probe_until: float = 0.0  # a probe holds it until then
-
-
 class Exclusion(enum.StrEnum):
     BOOTSTRAPPING = "bootstrapping"
     REPAIRING = "repairing"
@@ -131,11 +140,14 @@ class Exclusion(enum.StrEnum):
     MALFORMED = "malformed"
     PREFILL_FAILING = "prefill_failing"
     DRAINING = "draining"
+    ENGINE_FAILING = "engine_failing"
     ENGINE_UNHEALTHY = "engine_unhealthy"
     BAD_RECORD = "bad_record"
     CONTEXT_CONFLICT = "context_conflict"
 
 
+# Left out only while another worker of its pool is routable (WorkerStatus.soft)
+_SOFT = frozenset({Exclusion.ENGINE_FAILING, Exclusion.ENGINE_UNHEALTHY})
 # The exclusions _status finds before the block size's: statuses() leaves them in its place.
 _BEFORE_BLOCK_SIZE = (Exclusion.BOOTSTRAPPING, Exclusion.REPAIRING, Exclusion.EVENTS_DOWN)
 
@@ -155,7 +167,7 @@ class WorkerStatus(msgspec.Struct, frozen=True):
     @property
     def soft(self) -> bool:
         """Left out only while another worker of its pool is routable."""
-        return self.exclusion is Exclusion.ENGINE_UNHEALTHY
+        return self.exclusion in _SOFT
 
     def explain(self) -> dict[str, Any]:
         return {
@@ -178,7 +190,7 @@ def taking_requests(pool: Iterable[WorkerStatus]) -> int:
     for st in pool:  # `exclusion` read, not `routable`: 0.2 ms less a check of 1,000 workers
         if st.exclusion is None:
             routable += 1
-        elif st.soft:
+        elif st.exclusion in _SOFT:
             soft += 1
     return routable or soft
 
@@ -239,7 +251,14 @@ class Eligibility:
         self.nats_unanswered = False
         self._unreachable: dict[str, tuple[float, str]] = {}  # worker -> (marked at, why)
         self._malformed: dict[str, tuple[float, str]] = {}  # worker -> (last malformed reply at, why)
-        self._prefill_failing: dict[str, _PrefillEpisode] = {}
+        self._prefill_failing = FailingWorkers(clock=clock, cooldown_s=PREFILL_COOLDOWN_S)
+        self._engine_failing = FailingWorkers(
+            clock=clock,
+            cooldown_s=ENGINE_COOLDOWN_S,
+            after=ENGINE_FAILING_AFTER,
+            window_s=ENGINE_FAILING_WINDOW_S,
+            max_cooldown_s=ENGINE_COOLDOWN_MAX_S,
+        )
         # A prefill fleet misconfigured alike (no KV connector, one bad flag) fails every worker's legs
         self._prefill_lines = FleetLines(
             log,
@@ -255,6 +274,19 @@ class Eligibility:
             log, logging.INFO, "prefill workers serve prefill legs again", clock=clock, fleet_log=fleet_log
         )
         self._prefill_episodes = FleetEpisodes(self._prefill_lines, self._prefill_again_lines)
+        # A fleet's engines failing alike (one bad image, a shared dependency down) are one cause too
+        self._engine_episodes = FleetEpisodes(
+            FleetLines(
+                log,
+                logging.WARNING,
+                "failed their requests with engine server errors, left out of routing while other workers of "
+                "their model serve (one cause for many workers at once: a build or dependency they share; the "
+                "named workers' lines say what failed)",
+                clock=clock,
+                fleet_log=fleet_log,
+            ),
+            FleetLines(log, logging.INFO, "workers serve requests again", clock=clock, fleet_log=fleet_log),
+        )
 
     # --- what the service tells it ---------------------------------------------------------------
 
@@ -265,8 +297,10 @@ class Eligibility:
         self._added.pop(worker, None)
         self._unreachable.pop(worker, None)
         self._malformed.pop(worker, None)
-        self._prefill_failing.pop(worker, None)
+        self._prefill_failing.forget(worker)
         self._prefill_episodes.forget(worker)
+        self._engine_failing.forget(worker)
+        self._engine_episodes.forget(worker)
 
     def mark_unreachable(self, worker: str, why: str) -> None:
         self._unreachable[worker] = (self._clock(), why)
@@ -281,13 +315,11 @@ class Eligibility:
         the cooldown, the probe, ends the episode (one within it was planned before the failure).
         `serves_whole`: its engine answered but gave no usable transfer handle, so it still serves a
         whole request (its last failure's say)."""
-        held = self._prefill_failing.get(worker)
         if fault is None:
-            if held is not None and self._clock() - held.failed_at >= PREFILL_COOLDOWN_S:
-                del self._prefill_failing[worker]
+            if self._prefill_failing.worked(worker) is not None:
                 self._prefill_episodes.ended(worker, "prefill worker %s serves prefill legs again", worker)
             return
-        if held is None:
+        if self._prefill_failing.failed(worker, fault, serves_whole) is not None:
             self._prefill_episodes.began(
                 worker,
                 "prefill worker %s failed a prefill leg through its own fault: %s. Its requests prefill on other "
@@ -297,14 +329,46 @@ class Eligibility:
                 fault,
                 PREFILL_COOLDOWN_S,
             )
-        self._prefill_failing[worker] = _PrefillEpisode(self._clock(), fault, serves_whole)
 
     def prefill_probe(self, worker: str, for_s: float) -> None:
         """A prefill leg on `worker` was planned: past its cooldown, it is the probe, and no other
         request goes there for `for_s` (the leg's time limit) unless it reports first."""
-        held = self._prefill_failing.get(worker)
-        if held is not None and (now := self._clock()) - held.failed_at >= PREFILL_COOLDOWN_S:
-            held.probe_until = now + for_s
+        self._prefill_failing.trial(worker, for_s)
+
+    def engine_leg(self, worker: str, fault: str | None) -> None:
+        """A decode or agg leg on `worker` gave its first output (`fault` None) or failed before it
+        with its engine's own server error (`fault`: what the engine said). ENGINE_FAILING_AFTER
+        such failures in a row leave the worker out (`engine_failing`, a WARNING), for
+        ENGINE_COOLDOWN_S from the last, then one request tries it again: a failure doubles the
+        cooldown (up to ENGINE_COOLDOWN_MAX_S), a leg that works ends the episode (an INFO)."""
+        failing = self._engine_failing
+        if fault is None:
+            if (ended := failing.worked(worker)) is not None:
+                self._engine_episodes.ended(
+                    worker,
+                    "worker %s serves requests again after %d failed with engine server errors",
+                    worker,
+                    ended.failures,
+                )
+            return
+        if (began := failing.failed(worker, fault)) is not None:
+            self._engine_episodes.began(
+                worker,
+                "worker %s failed %d requests in a row with engine server errors before their first output, the "
+                "last: %s. It is left out of routing while another worker of its model serves, for %gs, then one "
+                "request tries it again (each failure of that doubles the wait, up to %gs; logged once per episode, "
+                "counted in kvswitch_router_worker_legs_failed_total)",
+                worker,
+                began.failures,
+                fault,
+                began.cooldown_s,
+                failing.max_cooldown_s,
+            )
+
+    def engine_probe(self, worker: str, for_s: float) -> None:
+        """A decode or agg leg on `worker` was planned: past its `engine_failing` cooldown, it is the
+        trial, and no other request goes there for `for_s` unless it reports first."""
+        self._engine_failing.trial(worker, for_s)
 
     def serves_whole(self, worker: str) -> bool:
         """`worker`, left out as `prefill_failing`, failed its legs only by giving no transfer
@@ -420,20 +484,19 @@ class Eligibility:
             why = f"{mark[1]} ({now - mark[0]:.1f}s ago; routed again {MALFORMED_COOLDOWN_S:g}s after it)"
             return WorkerStatus(w, info.model, info.role, Exclusion.MALFORMED, why, tok_ok)
         held = self._prefill_failing.get(w)
-        if held is not None and (now - held.failed_at < PREFILL_COOLDOWN_S or now < held.probe_until):
-            if now - held.failed_at < PREFILL_COOLDOWN_S:
-                why = (
-                    f"{held.why} ({now - held.failed_at:.1f}s ago; one request tries it again "
-                    f"{PREFILL_COOLDOWN_S:g}s after it)"
-                )
-            else:
-                why = f"{held.why} ({now - held.failed_at:.1f}s ago; one request is trying it again)"
+        if held is not None and held.out(now):
+            why = held.explain(now)
             if held.serves_whole:
                 why += "; it still serves whole requests spilled to it"
             return WorkerStatus(w, info.model, info.role, Exclusion.PREFILL_FAILING, why, tok_ok)
         if live is not None and live.draining:
             why = "its shim is shutting down (SIGTERM): requests in flight finish, new ones go elsewhere"
             return WorkerStatus(w, info.model, info.role, Exclusion.DRAINING, why, tok_ok)
+        held = self._engine_failing.get(w)
+        if held is not None and held.out(now):
+            why = f"{held.failures} requests failed in a row with its engine's server errors, the last: "
+            why += held.explain(now)
+            return WorkerStatus(w, info.model, info.role, Exclusion.ENGINE_FAILING, why, tok_ok)
         if live is not None and not live.healthy:
             why = "its shim reports the engine failing"
             return WorkerStatus(w, info.model, info.role, Exclusion.ENGINE_UNHEALTHY, why, tok_ok)

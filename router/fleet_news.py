@@ -246,6 +246,8 @@ _CAUSES = {
     Exclusion.UNREACHABLE: "NATS or the network",
     Exclusion.ENGINE_UNHEALTHY: "their engines or the hosts they run on: a shared GPU driver or model store, a "
     "request that crashes every engine; not NATS, which carried their shims' word of it",
+    Exclusion.ENGINE_FAILING: "their engines, failing every request with server errors: a build, model or "
+    "dependency they share",
     Exclusion.EVENTS_DOWN: "their engines' KV event streams (a setting pushed to every engine, the network)",
     Exclusion.DRAINING: "a fleet restart or scale-down",
 }
@@ -255,7 +257,8 @@ def _taking(pool: list[WorkerStatus], taking: int) -> str:
     """How many of `pool` take requests, for a message: those left out softly take them only
     while none is routable (`taking_requests`)."""
     if taking and not any(st.routable for st in pool):
-        return f"none is routable: the {taking} engine_unhealthy ones take requests only because no other can"
+        soft = " or ".join(sorted({str(st.exclusion) for st in pool if st.soft}))
+        return f"none is routable: the {taking} {soft} ones take requests only because no other can"
     return f"{taking} take requests"
 
 

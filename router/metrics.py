@@ -60,6 +60,7 @@ class StateFigures:
     cancels_again: int = 0
     malformed_replies: Mapping[str, int] = field(default_factory=dict)  # by worker, registered ones only
     refusals_overruled: Mapping[str, int] = field(default_factory=dict)  # by prefill worker, registered ones only
+    legs_failed: Mapping[tuple[str, str], int] = field(default_factory=dict)  # by (worker, kind), registered ones only
     load_malformed: int = 0  # router.service's load reports dropped
     load_unknown: int = 0
     load_over_budget: int = 0  # router.sender_budget's: past their sender's budget, from any sender
@@ -172,6 +173,18 @@ class _StateCollector(Collector):
             "an engine started with other flags than its decode workers'",
             s.refusals_overruled,
         )
+        failed = CounterMetricFamily(
+            "kvswitch_router_worker_legs_failed",
+            "Decode and agg legs that failed before their first output, by registered worker and kind: engine_error "
+            "(its engine's server error, 5xx but 503; enough in a row leave it out as engine_failing), engine_busy "
+            "(its engine's 429 or 503), engine_unavailable (its shim could not reach the engine), unreachable (no "
+            "responder, silent), malformed (a reply that broke the protocol). Each retried once on another "
+            "worker where one is left",
+            labels=["worker", "kind"],
+        )
+        for (worker, kind), n in sorted(s.legs_failed.items()):
+            failed.add_metric([worker, kind], n)
+        yield failed
         yield CounterMetricFamily(
             "kvswitch_router_load_malformed",
             "Load reports dropped: undecodable, naming another worker than their subject's, or a field out of range",

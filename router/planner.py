@@ -543,6 +543,8 @@ class Planner:
         if plan.path is Path.REMOTE and plan.prefill is not None:
             # past a cooldown, this request probes a prefill worker whose legs failed (router.eligibility)
             self.eligibility.prefill_probe(plan.prefill.worker, self.settings.prefill_timeout_s)
+        # ... and its decode worker, one whose engine failed its requests: for as long as a prefill may take
+        self.eligibility.engine_probe(plan.decode.worker, self.settings.prefill_timeout_s)
         return plan
 
     def _book(self, ctx: RequestContext, plan: RoutePlan) -> RoutePlan:

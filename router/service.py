@@ -109,6 +109,11 @@ from runtime.turns import Turns
 __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
 log = logging.getLogger(__name__)
+# What /ready's warning says of the workers of a pool with none routable that take its requests (WorkerStatus.soft)
+_SOFT_WHY = {
+    Exclusion.ENGINE_UNHEALTHY: "engine_unhealthy ones (their shims report the engine failing its load polls)",
+    Exclusion.ENGINE_FAILING: "engine_failing ones (their engines failed their last requests with server errors)",
+}
 BROKEN_CHECK_S = 1.0  # how often the router looks for a failed registration or a loop that ended
 
 
@@ -515,6 +520,7 @@ class RouterService:
             on_malformed=self.eligibility.mark_malformed,
             on_pull=self._on_pull,
             on_prefill=self._on_prefill,
+            on_engine=self.eligibility.engine_leg,
             tracer=self.tracer,
             origin=self.instance,
             registered=self._registered,
@@ -843,7 +849,7 @@ class RouterService:
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready while NATS is up, the worker set is known and some model has a decode or agg worker
         the planner would send a request to: a routable one or, when its pool has none, one excluded
-        softly (`engine_unhealthy`: router.eligibility), which the planner then uses, said in
+        softly (`engine_unhealthy`, `engine_failing`: router.eligibility), which the planner then uses, said in
         `warnings`. With --model only the workers serving it count. A model no request can name
         (every name it is served under clashes: router.served_names) does not count either. The
         body counts the workers left out by reason (`excluded_by_reason`) and names the first of
@@ -867,6 +873,7 @@ class RouterService:
         left_out = [*bad]
         models: dict[str, dict[str, int]] = {}
         decode_pools: dict[str, list[WorkerStatus]] = {}
+        soft_why: dict[tuple[str, str], set[str]] = {}  # (model, pool) -> why its soft ones are left out
         for st in statuses:
             m = models.setdefault(
                 st.model,
@@ -880,11 +887,12 @@ class RouterService:
                 m[f"routable_{pool}"] += 1
                 continue
             left_out.append(st)
-            if st.soft:
+            if st.soft and st.exclusion is not None:  # soft is an exclusion's
                 m[f"soft_{pool}"] += 1
+                soft_why.setdefault((st.model, pool), set()).add(_SOFT_WHY[st.exclusion])
         warnings = [
-            f"model {model}: no {said} worker is routable; its {m[f'soft_{pool}']} engine_unhealthy ones (their "
-            "shims report the engine failing its load polls) take its requests until a healthy one is back"
+            f"model {model}: no {said} worker is routable; its {m[f'soft_{pool}']} "
+            f"{' or '.join(sorted(soft_why[model, pool]))} take its requests until a healthy one is back"
             for model, m in models.items()
             for pool, said in (("decode", "decode or agg"), ("prefill", "prefill"))
             if m[f"soft_{pool}"] and not m[f"routable_{pool}"]
@@ -1477,6 +1485,7 @@ class RouterService:
             cancels_again=self._dispatcher.cancels_again if self._dispatcher is not None else 0,
             malformed_replies=dict(self._dispatcher.malformed_replies) if self._dispatcher is not None else {},
             refusals_overruled=dict(self._dispatcher.refusals_overruled) if self._dispatcher is not None else {},
+            legs_failed=dict(self._dispatcher.legs_failed) if self._dispatcher is not None else {},
             load_malformed=self.load_malformed,
             load_unknown=self.load_unknown,
             load_over_budget=self.load_budget.over,

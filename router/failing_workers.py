@@ -1,0 +1,115 @@
+"""Workers whose legs keep failing through their own fault: left out for a cooldown, then tried again
+by one request (half-open), for router.eligibility's `prefill_failing` and `engine_failing`.
+
+A worker's episode begins once `after` of its legs in a row have failed, the first of them within
+`window_s` of the last; a leg that works in between starts the count again. It is left out while its
+cooldown runs from its last failure, and past it the next request planned there is the trial
+(`trial`), which holds it for its leg's time limit unless its verdict comes first. A failure within
+the cooldown (a leg planned before it began, or one sent while its whole pool is left out and serves
+all the same) starts the cooldown again at its length; the trial's failure doubles it, up to
+`max_cooldown_s`; a leg that works past the cooldown ends the episode (one within it was planned
+before the failure, or sent for want of another worker, and says less).
+
+Synchronous, with an injected clock; what is said of an episode is its owner's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Episode", "FailingWorkers"]
+
+
+@dataclass(slots=True)
+class Episode:
+    """A worker's run of failed legs."""
+
+    failed_at: float  # its last failed leg
+    why: str  # ... and why it failed
+    cooldown_s: float
+    failures: int  # legs failed in a row, those before it began included
+    serves_whole: bool = False  # a prefill worker that only gave no usable transfer handle
+    trial_until: float = 0.0  # a trial holds it until then
+
+    def cooling(self, now: float) -> bool:
+        return now - self.failed_at < self.cooldown_s
+
+    def out(self, now: float) -> bool:
+        """Left out of routing now: cooling down, or its trial under way."""
+        return self.cooling(now) or now < self.trial_until
+
+    def explain(self, now: float) -> str:
+        """Its `why` as an exclusion shows it."""
+        ago = now - self.failed_at
+        if self.cooling(now):
+            return f"{self.why} ({ago:.1f}s ago; one request tries it again {self.cooldown_s:g}s after it)"
+        return f"{self.why} ({ago:.1f}s ago; one request is trying it again)"
+
+
+class FailingWorkers:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        cooldown_s: float,
+        after: int = 1,
+        window_s: float = math.inf,
+        max_cooldown_s: float | None = None,
+    ) -> None:
+        self._clock = clock
+        self.cooldown_s = cooldown_s
+        self.max_cooldown_s = cooldown_s if max_cooldown_s is None else max_cooldown_s
+        self._after = after
+        self._window_s = window_s
+        self._episodes: dict[str, Episode] = {}
+        self._streaks: dict[str, tuple[int, float]] = {}  # worker -> (legs failed in a row, the first's time)
+
+    def failed(self, worker: str, why: str, serves_whole: bool = False) -> Episode | None:
+        """A leg on `worker` failed through its fault: the episode it begins, if it begins one."""
+        now = self._clock()
+        held = self._episodes.get(worker)
+        if held is not None:
+            if not held.cooling(now):  # the trial failed
+                held.cooldown_s = min(2 * held.cooldown_s, self.max_cooldown_s)
+            held.failed_at, held.why, held.serves_whole, held.trial_until = now, why, serves_whole, 0.0
+            held.failures += 1
+            return None
+        count, first = self._streaks.get(worker, (0, now))
+        if now - first > self._window_s:
+            count, first = 0, now
+        count += 1
+        if count < self._after:
+            self._streaks[worker] = (count, first)
+            return None
+        self._streaks.pop(worker, None)
+        self._episodes[worker] = episode = Episode(now, why, self.cooldown_s, count, serves_whole)
+        return episode
+
+    def worked(self, worker: str) -> Episode | None:
+        """A leg on `worker` worked: the episode it ends (past the cooldown), if it ends one."""
+        if self._streaks:
+            self._streaks.pop(worker, None)
+        held = self._episodes.get(worker)
+        if held is None or held.cooling(self._clock()):
+            return None
+        return self._episodes.pop(worker)
+
+    def trial(self, worker: str, for_s: float) -> None:
+        """A leg on `worker` was planned: past its cooldown, it is the trial, and no other request
+        goes there for `for_s` (the leg's time limit) unless it reports first."""
+        held = self._episodes.get(worker)
+        if held is not None and not held.cooling(now := self._clock()):
+            held.trial_until = now + for_s
+
+    def get(self, worker: str) -> Episode | None:
+        """`worker`'s episode going on, left out now or not."""
+        return self._episodes.get(worker)
+
+    def __contains__(self, worker: str) -> bool:
+        return worker in self._episodes
+
+    def forget(self, worker: str) -> None:
+        self._episodes.pop(worker, None)
+        self._streaks.pop(worker, None)
