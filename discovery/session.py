@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import NamedTuple, Self, TypeVar
 
 import grpc
 import msgspec
@@ -22,9 +23,19 @@ from discovery.watch import ReadHealth, WatchEvent, watch_prefix
 from protocol import ConfigError, RouterInfo, WorkerInfo, decode_json, encode_json, subjects
 from protocol.config import EtcdSettings
 
-__all__ = ["DEFAULT_TTL", "Discovery", "DiscoveryError", "KeyTaken"]
+__all__ = [
+    "DEFAULT_TTL",
+    "Discovery",
+    "DiscoveryError",
+    "KeyTaken",
+    "RouterNamespaces",
+]
 
 DEFAULT_TTL = 10
+# Discovery.router_namespaces reads two keys' names a namespace: bounded, it holds the shim's check of
+# its routers' legs (worker_shim.orphaned_legs) a few seconds at most on an etcd others share.
+_NAMESPACES_READ = 1000
+_NAMESPACES_READ_S = 3.0
 M = TypeVar("M", bound=msgspec.Struct)
 # gRPC's default reconnect backoff grows to two minutes: after an etcd outage longer than a lease
 # TTL, the first renewal would come too late for the lease etcd kept. Retry at least every second.
@@ -50,6 +61,14 @@ _AUTH_OFF = "authentication is not enabled"
 _TIMED_OUT = ("timed out", "ping timeout", "DEADLINE_EXCEEDED")
 _REQUIRE_LEADER = ("hasleader", "true")
 _PING_KEY = "__etcd3aio:ping__"  # what etcd3aio's ping reads (kvswitch.etcd_auth grants it)
+
+
+class RouterNamespaces(NamedTuple):
+    """Discovery.router_namespaces: the namespaces read that have a router, and where and why the
+    read stopped short of the keyspace's end (None: it read to the end)."""
+
+    found: list[str]
+    cut: str | None
 
 
 class DiscoveryError(RuntimeError):
@@ -98,6 +117,14 @@ class _LeaderWatch(WatchService):
 def _held(key: str, holder: int) -> Compare:
     """Lease `holder` holds `key` (0: none, or the key absent: etcd compares a missing key's lease as 0)."""
     return Compare(result=Compare.EQUAL, target=Compare.LEASE, key=key.encode(), lease=holder)
+
+
+def _segment(prefix: bytes, key: bytes) -> tuple[bytes, bool, bytes]:
+    """`key`'s path segment after `prefix`, whether `key` ends with it, and where a read of the next
+    segment starts: past every key under prefix/segment/ ('0' follows '/')."""
+    rest = key[len(prefix) :]
+    seg, slash, _ = rest.partition(b"/")
+    return seg, not slash, key + b"\0" if not slash else prefix + seg + b"0"
 
 
 def _require_leader(client: Etcd3Client) -> None:
@@ -464,22 +491,51 @@ class Discovery:
                 return False
         return True
 
-    async def router_namespaces(self) -> list[str] | None:
-        """The namespaces a router is registered in (`/{ns}/routers/{router}` keys), read keys only
-        over the whole keyspace; None when this user may not read beyond its own namespace (a role
-        kvswitch secrets makes), DiscoveryError when etcd cannot say."""
-        assert self.client.kv is not None
+    async def router_namespaces(
+        self, most: int = _NAMESPACES_READ, within_s: float = _NAMESPACES_READ_S
+    ) -> RouterNamespaces | None:
+        """The namespaces a router is registered in (`/{ns}/routers/{router}` keys), found a key at a
+        time: the first key of the keyspace gives its first path segment, a read of one key under
+        /{seg}/routers/ whether a router is there, and the next read starts past /{seg}/. One read of
+        every key overflowed gRPC's 4 MiB answer on a large shared etcd (review of 2026-12-07). At
+        most `most` namespaces and `within_s` s (RouterNamespaces.cut says where it stopped); None
+        when this user may not read beyond its own namespace (a role kvswitch secrets makes),
+        DiscoveryError when etcd cannot say."""
+        found: list[str] = []
+        deadline = time.monotonic() + within_s
+        start, end = b"/", prefix_range_end(b"/")
+        read = 0
         with self._calling(lambda exc: DiscoveryError(f"reading the routers of every namespace failed: {said(exc)}")):
             try:
-                resp = await self.client.kv.get(b"/", prefix_range_end(b"/"), keys_only=True, timeout=5.0)
+                while (key := await self._first_key(start, end)) is not None:
+                    seg, leaf, start = _segment(b"/", key)
+                    if read >= most or time.monotonic() >= deadline:
+                        why = f"{most} namespaces" if read >= most else f"{within_s:g} s"
+                        where = seg.decode(errors="replace")
+                        return RouterNamespaces(found, f"the read stopped at its most, {why}: from /{where} on unread")
+                    if leaf or not seg:  # a key of one segment, or under //: no namespace's
+                        continue
+                    read += 1
+                    if await self._has_router(b"/" + seg + b"/routers/"):
+                        found.append(seg.decode(errors="replace"))
             except EtcdPermissionDeniedError:
                 return None
-        found: set[str] = set()
-        for kv in resp.kvs:
-            parts = bytes(kv.key).decode(errors="replace").split("/")
-            if len(parts) == 4 and parts[1] and parts[2] == "routers" and parts[3]:
-                found.add(parts[1])
-        return sorted(found)
+        return RouterNamespaces(found, None)
+
+    async def _first_key(self, start: bytes, end: bytes) -> bytes | None:
+        """The first key in [start, end), or None: a read of one key's name."""
+        assert self.client.kv is not None
+        resp = await self.client.kv.get(start, end, keys_only=True, limit=1, timeout=5.0)
+        return bytes(resp.kvs[0].key) if resp.kvs else None
+
+    async def _has_router(self, prefix: bytes) -> bool:
+        """Whether a key is exactly `prefix` + a router id (deeper keys are no router's)."""
+        start, end = prefix, prefix_range_end(prefix)
+        while (key := await self._first_key(start, end)) is not None:
+            seg, leaf, start = _segment(prefix, key)
+            if leaf and seg:
+                return True
+        return False
 
     def watch_raw(self, prefix: str) -> AsyncGenerator[WatchEvent[bytes], None]:
         """The raw values under `prefix`, named by what follows it: for tests and debugging (no

@@ -5,7 +5,7 @@ A shim with a mistyped --namespace (`kvswich`) registered and said only INFO "re
 side said why (operator walkthrough of 2026-12-07). The shim follows /{ns}/routers/ already
 (worker_shim.orphaned_legs); while its worker is registered and that watch has read no router key
 for NO_ROUTER_GRACE_S, one WARNING names --namespace and the namespaces where routers are
-registered (a keys-only read of the whole keyspace, Discovery.router_namespaces; a user that may
+registered (Discovery.router_namespaces, a few keys' names a namespace, bounded; a user that may
 read only its own namespace, as kvswitch secrets makes them, gets the flag alone). Once per
 stretch without a router: when one appears after it, an INFO says so, and a later stretch is said
 anew. Nothing is judged before the watch's first read (etcd down since the start).
@@ -77,10 +77,12 @@ class RouterPresence:
         else:
             if namespaces is None:
                 where = "; this etcd user may not read other namespaces to say which have one"
-            elif namespaces:
-                where = f"; routers are registered in namespace(s) {', '.join(namespaces)}"
+            elif namespaces.found:
+                where = f"; routers are registered in namespace(s) {', '.join(namespaces.found)}"
             else:
-                where = "; none is registered in any namespace either"
+                where = f"; none is registered in any namespace{' read' if namespaces.cut else ''} either"
+            if namespaces is not None and namespaces.cut:
+                where += f" ({namespaces.cut})"
         log.warning(
             "no router is registered in namespace %s (no key under /%s/routers/ for %.0fs while worker %s is "
             "registered): no request comes to it; check --namespace, which must be the routers'%s",

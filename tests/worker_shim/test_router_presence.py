@@ -10,8 +10,10 @@ import logging
 
 import pytest
 
-from discovery import Discovery
+from discovery import Discovery, session
+from discovery.session import RouterNamespaces
 from engine_sim.server import SimServer
+from kvswitch.servers import EtcdServer
 from protocol import RouterInfo
 from protocol.config import EtcdSettings
 from tests.worker_shim.cluster import shim_for, sim_config, wait_for
@@ -99,4 +101,58 @@ async def test_router_namespaces_reads_the_namespaces_with_a_router_key(etcd_url
         await d.put_raw(f"/{ns}x/routers", b"")  # no router id: not a router's key
         await d.put_raw(f"/{ns}y/routers/a/b", b"")  # deeper: not one either
         found = await d.router_namespaces()
-    assert found is not None and ns in found and ns + "x" not in found and ns + "y" not in found
+    assert found is not None and ns in found.found and ns + "x" not in found.found and ns + "y" not in found.found
+
+
+async def test_router_namespaces_reads_a_keyspace_larger_than_one_grpc_answer_a_key_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One keys-only read of the whole keyspace overflowed gRPC's answer on a large shared etcd
+    # (4 MiB of key names); here the answer may be 64 KiB, and the keys' names are 150 KiB.
+    options = [*session._RECONNECT_OPTIONS, ("grpc.max_receive_message_length", 64 * 1024)]
+    monkeypatch.setattr(session, "_RECONNECT_OPTIONS", options)
+    with EtcdServer() as etcd:
+        async with Discovery(EtcdSettings(endpoints=[etcd.url]), "ab") as d:
+            kv = d.client.kv
+            assert kv is not None
+            name = "/other/blocks/" + "k" * 180
+            for start in range(0, 800, 100):
+                await asyncio.gather(*(kv.put(f"{name}{i:04d}", b"") for i in range(start, start + 100)))
+            await d.register_router(_router)  # /ab/routers/{id}
+            for key in ("/", "/ab", "//routers/r", "/ab-c/routers/r", "/deep/routers/a/b", "/zz/routers/r"):
+                await d.put_raw(key, b"")
+            await d.put_raw("/other/routers/r", b"")  # after 800 keys of /other/
+            found = await d.router_namespaces()
+            assert found is not None and found.found == ["ab-c", "ab", "other", "zz"] and found.cut is None
+            cut = await d.router_namespaces(most=2)
+            assert cut is not None and cut.found == ["ab-c", "ab"]
+            assert cut.cut == "the read stopped at its most, 2 namespaces: from /deep on unread"
+            late = await d.router_namespaces(within_s=0.0)
+            assert (
+                late is not None
+                and late.found == []
+                and late.cut == "the read stopped at its most, 0 s: from / on unread"
+            )
+
+
+async def test_a_read_of_the_namespaces_cut_short_says_so(
+    ns: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def cut() -> RouterNamespaces:
+        return RouterNamespaces([], "the read stopped at its most, 3 s: from /m on unread")
+
+    caplog.set_level(logging.INFO, logger="worker_shim.router_presence")
+    now = [0.0]
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        monkeypatch.setattr(d, "router_namespaces", cut)
+        presence = router_presence.RouterPresence(d, ns, 30.0, clock=lambda: now[0])
+        async for event in d.watch_routers():
+            presence.update(event)
+            break
+        await presence.check("w")
+        now[0] = 30.0
+        await presence.check("w")
+    [warned] = _said(caplog, "no router is registered")
+    assert warned.getMessage().endswith(
+        "; none is registered in any namespace read either (the read stopped at its most, 3 s: from /m on unread)"
+    )
