@@ -431,8 +431,7 @@ class WorkerShim:
                 try:
                     if not await self._wait_healthy() or not await self._wait_progress():
                         return
-                    if not await self._keys_free():
-                        await self._rest(self.config.health_interval_s)
+                    if not await self._keys_waited():
                         continue
                     self.limits = await self._check_limits()
                     if self.event_sources.discovers:  # each session: a restarted engine may publish elsewhere
@@ -1155,6 +1154,17 @@ class WorkerShim:
                 raise self._taken(held)
             self.status = ShimStatus.REGISTERING  # etcd answered: the key is waited out
             return False
+        return True
+
+    async def _keys_waited(self) -> bool:
+        """Until `_keys_free` (True), read again each health interval while the engine stays up:
+        /health says registering all along (a pass through `_wait_healthy` said waiting_engine on
+        each read, review of 2026-12-07). False when the engine is no longer up or the shim stops:
+        the session starts over from its wait for the engine."""
+        while not await self._keys_free():
+            await self._rest(self.config.health_interval_s)
+            if self._stopping.is_set() or await self.adapter.health() is not EngineHealth.UP:
+                return False
         return True
 
     async def _register(self) -> str | None:

@@ -21,7 +21,7 @@ from protocol.config import EtcdSettings
 from tests.worker_shim.cluster import shim_for, sim_config
 from worker_shim import engine_claim
 from worker_shim.engine_claim import claim, engine_id, this_host
-from worker_shim.shim import ShimStatus
+from worker_shim.shim import ShimStatus, WorkerShim
 
 
 @pytest.mark.parametrize(
@@ -162,6 +162,33 @@ async def test_an_engine_held_by_a_crashed_shims_lease_is_claimed_once_that_leas
         async with shim_for(sim, ns, nats_url, etcd_url) as shim:
             await asyncio.wait_for(shim.registered.wait(), 20)
             assert shim.failure is None and await d.holder(key) == shim.registration.lease.id  # type: ignore[union-attr]
+
+
+async def test_health_says_registering_all_the_while_a_held_claim_is_waited_out_with_the_engine_up(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """Each read of the held claim before the session (WorkerShim._keys_free) went back through the
+    wait for the engine, which set waiting_engine: /health said so between reads, of an engine up."""
+    seen: list[ShimStatus] = []
+
+    class Recorded(WorkerShim):
+        def __setattr__(self, name: str, value: object) -> None:
+            if name == "status":
+                seen.append(value)  # type: ignore[arg-type]
+            super().__setattr__(name, value)
+
+    async with SimServer(sim_config()) as sim, Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        lease = await d.grant(2)
+        [(key, old)] = claim(ns, sim.url, None, "old-run").items()
+        await d.create(key, encode_json(old), lease)
+        await lease.stop_keep_alive()  # a crashed holder's: it expires in 2 s
+        shim = shim_for(sim, ns, nats_url, etcd_url)
+        shim.__class__ = Recorded
+        async with shim:
+            await asyncio.wait_for(shim.registered.wait(), 20)
+    waited = seen[seen.index(ShimStatus.REGISTERING) : seen.index(ShimStatus.REGISTERED)]
+    assert waited.count(ShimStatus.REGISTERING) > 3, seen  # read again and again, each health interval
+    assert ShimStatus.WAITING_ENGINE not in waited, seen
 
 
 async def test_each_data_parallel_rank_of_one_server_claims_its_own_engine(etcd_url: str, ns: str) -> None:
