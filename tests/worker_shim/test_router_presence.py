@@ -29,11 +29,17 @@ def _said(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord
 
 
 async def test_a_worker_whose_namespace_no_router_serves_is_said_once_naming_namespace_and_where_routers_are(
-    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    ns: str, nats_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(router_presence, "NO_ROUTER_GRACE_S", 0.5)
     caplog.set_level(logging.INFO, logger="worker_shim.router_presence")
     router_ns = ns + "r"  # the namespace the operator meant
+    # An etcd of its own: the suite's shared one gathers a namespace per test, past the read's caps.
+    with EtcdServer() as etcd:
+        await _said_once(ns, router_ns, nats_url, etcd.url, caplog)
+
+
+async def _said_once(ns: str, router_ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture) -> None:
     async with (
         Discovery(EtcdSettings(endpoints=[etcd_url]), router_ns) as meant,
         Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as given,
@@ -95,12 +101,14 @@ async def test_a_user_that_may_not_read_other_namespaces_is_told_to_check_namesp
     assert warned.getMessage().endswith("this etcd user may not read other namespaces to say which have one")
 
 
-async def test_router_namespaces_reads_the_namespaces_with_a_router_key(etcd_url: str, ns: str) -> None:
-    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
-        await d.register_router(_router)
-        await d.put_raw(f"/{ns}x/routers", b"")  # no router id: not a router's key
-        await d.put_raw(f"/{ns}y/routers/a/b", b"")  # deeper: not one either
-        found = await d.router_namespaces()
+async def test_router_namespaces_reads_the_namespaces_with_a_router_key(ns: str) -> None:
+    # An etcd of its own: the suite's shared one gathers a namespace per test, past the read's cap.
+    with EtcdServer() as etcd:
+        async with Discovery(EtcdSettings(endpoints=[etcd.url]), ns) as d:
+            await d.register_router(_router)
+            await d.put_raw(f"/{ns}x/routers", b"")  # no router id: not a router's key
+            await d.put_raw(f"/{ns}y/routers/a/b", b"")  # deeper: not one either
+            found = await d.router_namespaces()
     assert found is not None and ns in found.found and ns + "x" not in found.found and ns + "y" not in found.found
 
 
