@@ -31,18 +31,19 @@ from router.metrics import RouterMetrics
 from router.planner import PlanError, Planner
 from router.request_context import RequestContext, RequestShape
 from router.tracing import RequestTracer
-from router.worker_registry import engines_serving
+from router.worker_registry import Departed, engines_serving
 
 __all__ = ["NO_WORKER_RETRY_S", "RECENT_S", "RequestPath", "Unknown", "refused_records", "starting"]
 
 log = logging.getLogger(__name__)
 
 
-# The router's --model, or a name a request resolved within RECENT_S that no worker serves now
-# because its workers left (a crash, a hung engine, a rolling restart), is a 503, not a 404: its
-# model is served by none, or the workers that served it (an adapter, an alias) left while others
-# serving the model without it stay. (A LoRA adapter unloaded from workers still serving its model
-# is a 404, as vLLM answers it.)
+# The router's --model, or a name no worker serves now because its workers left within RECENT_S
+# (a crash, a hung engine, a rolling restart) or a request resolved it here within RECENT_S and no
+# worker serves its model now, is a 503, not a 404. The departures are the registry's, which every
+# replica sees: a replica that served no request for the name answers as the one that did (until
+# 2026-12-07 it answered 404). A router started after they left never saw them: a 404. (A LoRA
+# adapter unloaded from workers still serving its model is a 404, as vLLM answers it.)
 RECENT_S = 600.0
 _RECENT_MAX = 256  # names remembered; the oldest goes first
 NO_WORKER_RETRY_S = 5  # Retry-After: a shim that restarts registers again within seconds
@@ -85,8 +86,9 @@ class RequestPath:
     ns: str = subjects.DEFAULT_NAMESPACE  # where the workers register: named when none has
     # worker records refused in etcd (key, why), of a model (None: all): named when they explain a 404
     refused: Callable[[str | None], Sequence[tuple[str, str]]] = lambda _model: ()
-    # when a worker serving a name (model, alias, adapter) last left (time.monotonic; None: none did)
-    left_at: Callable[[str], float | None] = lambda _name: None
+    # the names (model, alias, adapter) workers left with, each with when and their model
+    # (WorkerRegistry.departed)
+    departed: Callable[[], Mapping[str, Departed]] = dict
     request_timeout_s: float = 600.0
     # what the router still waits for before it can tell which names its workers serve ("" once it
     # can): the first read of the workers from etcd
@@ -105,16 +107,17 @@ class RequestPath:
     def resolve_model(self, model: str | None) -> str:
         """The model, one of its other names, or a LoRA adapter, a request names. One that names
         none gets the router's --model, else the one model registered, as vLLM serves it with its
-        own; with several it is a 400 naming them. The --model, or a name resolved within RECENT_S
-        whose model no worker serves now, is a 503 with Retry-After: its workers left, and may be
-        back. Before the first read of the workers, a 503 saying so, as the start door says it: none
-        read is no namespace mistake, nor a name none serves."""
+        own; with several it is a 400 naming them. The --model, or a name whose workers left within
+        RECENT_S (or that a request resolved here within it, whose model no worker serves now), is
+        a 503 with Retry-After: its workers may be back. Before the first read of the workers, a 503
+        saying so, as the start door says it: none read is no namespace mistake, nor a name none
+        serves."""
         if waiting := self.waiting():
             raise Unknown(503, f"{starting(waiting)}: send the request again", retry_after_s=1)
         name = model or self.default_model
         if name is None:
             models = list(self.models())
-            if not models and self.served_lately():
+            if not models and self.gone_lately():
                 raise self._no_worker(None)
             if len(models) != 1:
                 served = ", ".join(models) or self._none_registered(None)
@@ -160,7 +163,7 @@ class RequestPath:
         if not theirs:
             if named is not None and (named == self.default_model or self._model_gone(named)):
                 return False
-            if named is None and not self.models() and self.served_lately():
+            if named is None and not self.models() and self.gone_lately():
                 return False
             theirs = self._engines(None)
         return theirs <= {"vllm"}
@@ -177,16 +180,30 @@ class RequestPath:
             del self._recent[next(iter(self._recent))]
         return {name: model for name, (_, model) in self._recent.items()}
 
+    def _left_lately(self) -> dict[str, str]:
+        """The names workers left with within RECENT_S, oldest first, each with its model: of
+        another model than the --model, none (this router would not serve them)."""
+        since = self.clock() - RECENT_S
+        return {
+            name: left.model
+            for name, left in self.departed().items()
+            if left.at >= since and self.default_model in (None, left.model)
+        }
+
+    def gone_lately(self) -> dict[str, str]:
+        """The names requests resolved here, or workers left with, within RECENT_S, each with its
+        model: those whose requests are a 503 while no worker serves them."""
+        return {**self.served_lately(), **self._left_lately()}
+
     def _model_gone(self, name: str) -> bool:
-        """A request resolved `name` lately, and no worker serves it now: none serves its model, or
-        the workers that served it (an adapter, an alias some served) left within RECENT_S while
-        others serving the model without it stay. One unloaded from workers still serving its
-        model is not gone but unknown, a 404 as vLLM answers it."""
+        """No worker serves `name` now, and the workers that served it (its model's, an adapter's,
+        an alias's) left within RECENT_S, or a request resolved it here within RECENT_S and none
+        serves its model now. One unloaded from workers still serving its model is not gone but
+        unknown, a 404 as vLLM answers it."""
+        if name in self._left_lately():
+            return True
         model = self.served_lately().get(name)
-        if model is None:
-            return False
-        left = self.left_at(name)
-        return model not in self.models() or (left is not None and self.clock() - left < RECENT_S)
+        return model is not None and model not in self.models()
 
     def _no_worker(self, name: str | None) -> Unknown:
         """No worker serves `name` (None: any model served within RECENT_S) right now."""
@@ -195,7 +212,7 @@ class RequestPath:
         registered = (names or self._none_registered(name)) + (
             f"; {refused_records(self.ns, refused)}" if refused else ""
         )
-        what = f"the model `{name}`" if name else f"any model (served lately: {', '.join(self.served_lately())})"
+        what = f"the model `{name}`" if name else f"any model (served lately: {', '.join(self.gone_lately())})"
         return Unknown(
             503,
             f"no worker serves {what} right now (workers left, or have not registered yet): send the request "
@@ -210,6 +227,8 @@ class RequestPath:
             return f"none ({refused_records(self.ns, refused)})"
         if self.seen_workers:
             return "none (every worker this router has served requests from left)"
+        if self.departed():
+            return "none (every worker left)"
         return (
             f"none (no worker is registered under {subjects.workers_prefix(self.ns)}: this router's "
             f"--namespace is {self.ns})"

@@ -33,7 +33,7 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -97,7 +97,7 @@ from router.tokenization import (
 )
 from router.tracing import RequestTracer
 from router.unheard import Unheard
-from router.worker_registry import WorkerRegistry, context_message
+from router.worker_registry import Departed, WorkerRegistry, context_message
 from router.worker_versions import WorkerVersions
 from runtime import RepeatedErrors, StopSteps, background, cancel_and_wait, ended, guarded
 from runtime.loop_watch import LoopWatch
@@ -550,7 +550,7 @@ class RouterService:
             engines=lambda name: self._registry.engines(name) if self._registry is not None else frozenset(),
             ns=self.ns,
             refused=self._refused,
-            left_at=self._left_at,
+            departed=self._departed,
             request_timeout_s=self.config.request_timeout_s,
             waiting=lambda: "" if self._registry_ready else "reading workers from etcd",
         )
@@ -961,12 +961,12 @@ class RouterService:
                     "no decode or agg worker can take requests: no worker is registered, "
                     + refused_records(self.ns, every)
                 )
-            elif self._path is not None and self._path.seen_workers:  # they left: no namespace mismatch
-                lately = ", ".join(self._path.served_lately()) or f"none within {RECENT_S / 60:g} min"
+            elif self._path is not None and (self._path.seen_workers or self._departed()):
+                # they left (seen here, or on another replica): no namespace mismatch
+                lately = ", ".join(self._path.gone_lately()) or f"none within {RECENT_S / 60:g} min"
                 problems.append(
-                    "no decode or agg worker can take requests: every worker this router served requests from "
-                    f"has left (served lately: {lately}); requests for them are a 503 with Retry-After until one "
-                    "registers again"
+                    "no decode or agg worker can take requests: every worker has left (served lately: "
+                    f"{lately}); requests for them are a 503 with Retry-After until one registers again"
                 )
             else:  # most often shims and router in other namespaces
                 problems.append(
@@ -1443,8 +1443,8 @@ class RouterService:
     def adapters(self) -> dict[str, str]:
         return self.registry.adapters() if self._registry is not None else {}
 
-    def _left_at(self, name: str) -> float | None:
-        return self.registry.left_at(name) if self._registry is not None else None
+    def _departed(self) -> Mapping[str, Departed]:
+        return self.registry.departed() if self._registry is not None else {}
 
     def aliases(self) -> dict[str, str]:
         return self.registry.aliases() if self._registry is not None else {}

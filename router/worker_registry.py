@@ -65,6 +65,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Container, Iterable, KeysView, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import msgspec
@@ -81,7 +82,7 @@ from router.lifecycle import PartStatus
 from router.served_names import Resolved, clash_message, served_as, shadow_message
 from runtime import background, cancel_and_wait
 
-__all__ = ["ContextConflict", "Refused", "WorkerRegistry", "context_message"]
+__all__ = ["ContextConflict", "Departed", "Refused", "WorkerRegistry", "context_message"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,14 @@ _LEFT_MAX = 1024  # names of departed workers remembered; the oldest goes first
 T = TypeVar("T")
 K = TypeVar("K")
 Way = tuple[str, str]  # (model, LoRA adapter or ""): what a request naming a name runs on a worker
+
+
+class Departed(msgspec.Struct, frozen=True):
+    """A name (model, alias, LoRA adapter) the last worker to leave while serving it left with:
+    when (time.monotonic) and that worker's model."""
+
+    at: float
+    model: str
 
 
 class Refused(msgspec.Struct, frozen=True):
@@ -185,8 +194,8 @@ class WorkerRegistry:
             fleet_log=fleet_log,
         )
         self._records = RefusedRecords(self._refused_lines.say, "worker record under key %r ignored: %s")
-        # every name (model, alias, adapter) a worker whose key went served, with when (monotonic)
-        self._left: OrderedDict[str, float] = OrderedDict()
+        # every name (model, alias, adapter) a worker whose key went served, with when and its model
+        self._left: OrderedDict[str, Departed] = OrderedDict()
         self.status = PartStatus.NEW
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -295,13 +304,14 @@ class WorkerRegistry:
             self._named = (models, aliases, adapters)
         return self._named
 
-    def left_at(self, name: str) -> float | None:
-        """When a worker serving `name` (its model, an alias or a LoRA adapter) last left: its key
-        went (a crash, a lease lost, a restart, a record refused). None: none has since a worker
-        registered serving it, as far as the last _LEFT_MAX names go. A name no worker serves now
-        that one left with may be back; one a worker still registered stopped serving (an adapter
-        unloaded) is gone."""
-        return self._left.get(name)
+    def departed(self) -> Mapping[str, Departed]:
+        """The names a worker serving them (its model, an alias or a LoRA adapter) left with, its
+        key gone (a crash, a lease lost, a restart, a record refused), each with when the last one
+        left and its model, oldest first; a name leaves it once a worker registers serving it, and
+        the oldest once _LEFT_MAX are kept. Every replica sees the same departures, from the time
+        it started reading the workers: a name no worker serves now that one left with may be
+        back; one a worker still registered stopped serving (an adapter unloaded) is gone."""
+        return MappingProxyType(self._left)
 
     def refusing(self) -> list[Refused]:
         """The records refused now, by name."""
@@ -455,7 +465,7 @@ class WorkerRegistry:
             self._reindex(name, info, None)
             now, left = time.monotonic(), self._left
             for served in (info.model, *info.aliases, *info.adapters):
-                left[served] = now
+                left[served] = Departed(now, info.model)
                 left.move_to_end(served)
             while len(left) > _LEFT_MAX:
                 left.popitem(last=False)

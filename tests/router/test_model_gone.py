@@ -72,3 +72,40 @@ async def test_an_adapter_whose_workers_left_is_a_503_while_others_serve_its_bas
     await until(lambda: "chat" not in router.adapters(), what="the unloaded adapter gone")
     status, out, _ = await ask(http, router, model="chat")
     assert status == 404 and "does not exist" in out["error"]["message"], out
+
+
+async def test_every_replica_answers_503_for_a_name_whose_workers_left_not_only_the_one_that_served_it(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """The departures are the registry's, which every replica sees: behind a load balancer, or from
+    a replica restarted in a rolling restart, a client got a final 404 "does not exist" for a name
+    listed seconds before, from every replica but the one that had served a request for it (models
+    audit F1). An adapter whose workers left while its base model stays served is the same; and
+    /ready blames no --namespace on a replica that saw the workers go but served none of them."""
+    sql = await cluster.add_worker("agg", lora_modules=(LoraModule("sql", "/adapters/sql"),))
+    plain = await cluster.add_worker("agg")
+    one = await cluster.add_ready_router()
+    two = await cluster.add_ready_router()
+    assert (await ask(http, one, model="sql"))[0] == 200  # replica two serves no request for it
+    await sql.shim.stop()
+    await until(lambda: "sql" not in one.adapters() and "sql" not in two.adapters(), what="the adapter's worker gone")
+    for router in (one, two):
+        status, out, retry = await ask(http, router, model="sql")
+        assert (status, retry) == (503, str(NO_WORKER_RETRY_S)), out
+        assert out["error"]["message"].startswith("no worker serves the model `sql` right now"), out
+        assert MODEL in router.models()  # its base model still served
+    assert (await ask(http, one, model=MODEL))[0] == 200  # not two: only the registry tells it workers were there
+    await plain.shim.stop()
+    await until(lambda: not one.registry.workers() and not two.registry.workers(), what="the workers gone")
+    for router in (one, two):
+        for name in (MODEL, "sql"):
+            status, out, retry = await ask(http, router, model=name)
+            message = out["error"]["message"]
+            assert (status, retry) == (503, str(NO_WORKER_RETRY_S)) and "right now" in message, (name, out)
+            assert "--namespace" not in message, message  # workers were there: no namespace mismatch
+        status, out, _ = await ask(http, router, model="never-served")
+        assert status == 404 and "does not exist" in out["error"]["message"], out
+        async with http.get(router.url + "/ready") as r:
+            problems = (await r.json())["problems"]
+        assert r.status == 503 and any("every worker has left" in p for p in problems), problems
+        assert not any("--namespace" in p for p in problems), problems

@@ -19,6 +19,7 @@ from router.leg import LegError
 from router.leg_failures import LegFailures
 from router.planner import PlanError
 from router.request_path import NO_WORKER_RETRY_S, RECENT_S, RequestPath, Unknown
+from router.worker_registry import Departed
 from tests.router.builders import worker
 
 
@@ -246,6 +247,40 @@ def test_a_name_served_lately_whose_workers_left_is_a_503_then_a_404_once_forgot
     with pytest.raises(Unknown) as err:
         p.resolve_model("m")
     assert err.value.code == 404 and "--namespace" not in str(err.value), str(err.value)
+
+
+def test_a_name_its_workers_left_is_a_503_on_a_replica_that_never_served_it_until_forgotten() -> None:
+    """The registry's departures, not this replica's own requests: another replica served them
+    (models audit F1: a 404 here). One of another model than the --model stays its 404."""
+    now = [1000.0]
+    left = {"sql": Departed(now[0], "m"), "m": Departed(now[0], "m"), "x": Departed(now[0], "n")}
+    p = path([], Dispatcher(), models=list, departed=lambda: left, ns="prod")
+    p.clock = lambda: now[0]
+    now[0] += RECENT_S - 1
+    with pytest.raises(Unknown) as err:
+        p.resolve_model("sql")
+    assert err.value.code == 503 and err.value.retry_after_s == NO_WORKER_RETRY_S, str(err.value)
+    assert str(err.value) == f"no worker serves the model `sql` {NO_WORKER}none (every worker left)"
+    with pytest.raises(Unknown) as err:
+        p.resolve_model(None)
+    assert err.value.code == 503 and "any model (served lately: sql, m, x)" in str(err.value), str(err.value)
+    assert not p.vllm_only("sql") and not p.vllm_only(None)  # the 503 stands, whatever engines come back
+    with pytest.raises(Unknown) as err:
+        p.resolve_model("q")
+    assert err.value.code == 404 and "--namespace" not in str(err.value), str(err.value)
+    p.default_model = "m"
+    with pytest.raises(Unknown) as err:
+        p.resolve_model("x")
+    assert err.value.code == 404 and str(err.value) == "The model `x` does not exist. This router serves `m`"
+    with pytest.raises(Unknown) as err:
+        p.resolve_model("sql")
+    assert err.value.code == 503, str(err.value)
+    p.default_model = None
+    now[0] += 2
+    for name in ("sql", "m"):
+        with pytest.raises(Unknown) as err:
+            p.resolve_model(name)
+        assert err.value.code == 404, str(err.value)
 
 
 def test_a_router_that_never_saw_a_worker_keeps_the_namespace_hint_on_its_503() -> None:

@@ -94,20 +94,21 @@ async def test_new_changed_and_deleted_workers_drive_the_callbacks(
 async def test_a_name_whose_worker_left_is_gone_until_a_worker_serves_it_again(
     disc: Discovery, registry: tuple[WorkerRegistry, Calls]
 ) -> None:
-    """left_at (a 503 to retry, not a 404) held for 10 min after any worker serving the name left,
+    """departed (a 503 to retry, not a 404, for 10 min) after any worker serving the name left,
     even once one registered serving it again and it was then unloaded everywhere."""
     reg, _ = registry
     await reg.start()
     assert await reg.wait_ready(10.0)
     lease = await register(disc, adapters=["sql"])
     await until(lambda: reg.get(lease.hex_id) is not None)
-    assert reg.left_at("sql") is None
+    assert "sql" not in reg.departed()
     await disc.release(lease)
     await until(lambda: reg.get(lease.hex_id) is None)
-    assert reg.left_at("sql") is not None and reg.left_at("m") is not None
+    left = reg.departed()
+    assert left["sql"].model == "m" and left["m"].model == "m", left
     back = await register(disc, adapters=["sql"])
     await until(lambda: reg.get(back.hex_id) is not None)
-    assert reg.left_at("sql") is None and reg.left_at("m") is None
+    assert "sql" not in reg.departed() and "m" not in reg.departed()
 
 
 async def test_filters_by_model_and_role(disc: Discovery, registry: tuple[WorkerRegistry, Calls]) -> None:
