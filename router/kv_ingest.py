@@ -69,6 +69,10 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   whenever a registered worker's batch would not fit the shared byte budget, so stale ones never
   keep it from a worker under repair. Workers are only ever added by the registry, never by
   a batch, so a worker whose key is gone cannot be resurrected by its last events in flight.
+  As a worker registers, its held batches past the TTL go first, then those of another epoch than
+  its record's: an earlier session's (a stopping shim's last Cleared comes after its key's
+  delete), dropped at DEBUG and counted, as no repair can show them forged. Until 2026-12-07 the
+  bootstrap dropped them as forged: an ERROR on every restart under a fixed --worker-name.
 - A sender past its budget (router.sender_budget: batches and bytes a second, with bursts; the
   router's --kv-budget-* flags) has the rest dropped before decoding, counted for it, and its
   subject left unheard for a while (router.sender_subscriptions: one subscription per registered
@@ -435,14 +439,38 @@ class KvIngest:
         self._workers[worker] = state
         self._unsynced.add(worker)
         self.stats.workers[worker] = sync
-        for _, size, batch, skipped in self._unknown.pop(worker, ()):
+        now = self._clock()
+        stale: list[KvEventBatch] = []
+        for arrived, size, batch, skipped in self._unknown.pop(worker, ()):
             self._held_total -= size
             self.stats.unknown_held -= 1
-            self._hold(state, batch, skipped)
+            if now - arrived > self._unknown_ttl_s:  # expired, unseen: expiry runs only as others come
+                self.stats.dropped_unknown += 1
+            elif batch.epoch == epoch:
+                self._hold(state, batch, skipped)
+            else:  # sent before this registration: no repair can show it forged
+                stale.append(batch)
+        if stale:
+            self._dropped_stale(worker, epoch, stale)
         self._synced.clear()
         self.subscriptions.workers_changed()
         if self.status is PartStatus.RUNNING:
             self.repairs.ensure(worker)
+
+    def _dropped_stale(self, worker: str, epoch: int, stale: list[KvEventBatch]) -> None:
+        """Batches of `worker` held before it registered, of another epoch than its record's: an
+        earlier session's (a stopping shim's last Cleared comes after its key's delete; a crashed
+        shim's last batches). Until 2026-12-07 they went to the new registration's repair, which
+        dropped them as forged with an ERROR on every restart under a fixed --worker-name."""
+        self.stats.dropped_stale_session += len(stale)
+        log.debug(
+            "worker %s registered at epoch %x: dropped %d KV batches held from before it registered, of another "
+            "session (%s)",
+            worker,
+            epoch,
+            len(stale),
+            ", ".join(f"epoch {b.epoch:x} seq {b.seq}" for b in stale[:3]),
+        )
 
     def remove_worker(self, worker: str) -> None:
         """`worker` left: its entries go at once and its repair, if any, stops."""

@@ -410,12 +410,14 @@ def _ingest_counters(s: IngestStats) -> Iterator[Metric]:
         "kvswitch_router_kv_dropped",
         "KV batches dropped unapplied: of a worker not registered within unknown_ttl_s, or past the bounds on "
         "such batches (unknown); held during a repair past a worker's bound or the shared byte budget, a full dump "
-        "catching up (overflow); held ones a repair reply showed the shim never sent (impossible)",
+        "catching up (overflow); held ones a repair reply showed the shim never sent (impossible); held before "
+        "their worker registered, of another epoch than its record's: an earlier session's (stale_session)",
         labels=["reason"],
     )
     dropped.add_metric(["unknown"], s.dropped_unknown)
     dropped.add_metric(["overflow"], s.dropped_overflow)
     dropped.add_metric(["impossible"], s.dropped_impossible)
+    dropped.add_metric(["stale_session"], s.dropped_stale_session)
     yield dropped
     yield CounterMetricFamily(
         "kvswitch_router_kv_over_budget",

@@ -53,6 +53,7 @@ def test_every_ingest_count_is_rendered() -> None:
         unknown_held=11,
         dropped_overflow=12,
         dropped_impossible=13,
+        dropped_stale_session=18,
         digest_mismatches=14,
         digest_lags=15,
         digest_unfixed=16,
@@ -80,7 +81,7 @@ def test_every_ingest_count_is_rendered() -> None:
         "quarantines": 0.0,  # the ingest's subscriptions', not its stats'
         "senders_quarantined": 0.0,
     }
-    assert _dropped(samples) == {"unknown": 10.0, "overflow": 12.0, "impossible": 13.0}
+    assert _dropped(samples) == {"unknown": 10.0, "overflow": 12.0, "impossible": 13.0, "stale_session": 18.0}
 
 
 async def test_held_batches_dropped_past_the_bound_are_on_metrics_and_warned_once_per_repair(
@@ -143,6 +144,6 @@ async def test_a_routers_kv_drops_duplicates_and_epoch_changes_are_on_its_metric
 
     async with http.get(router.url + "/metrics") as r:
         samples = _kv_samples(await r.text())
-    assert _dropped(samples) == {"unknown": 0.0, "overflow": 0.0, "impossible": 1.0}
+    assert _dropped(samples) == {"unknown": 0.0, "overflow": 0.0, "impossible": 1.0, "stale_session": 0.0}
     assert (samples["epoch_changes", frozenset()], samples["unknown_held", frozenset()]) == (1.0, 1.0)
     assert samples["duplicates", frozenset()] >= 1.0  # the shim's own held during the repair may add to it

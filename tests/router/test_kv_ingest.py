@@ -541,6 +541,64 @@ async def test_removed_worker_loses_its_entries_and_late_batches_do_not_revive_i
     assert "a1" not in ingest.stats.workers
 
 
+async def _left_with_its_last_batch_held(ingest: KvIngest, shim: FakeShim) -> None:
+    """`shim`'s worker synced, then gone as a stopping shim leaves: its key's delete comes first
+    (the lease revoked), its epoch's last Cleared after it, held for a worker with no record."""
+    await synced_with(ingest, shim)
+    await shim.publish(Stored(hashes=[1, 2]))
+    await until(lambda: ingest.stats.batches_applied == 1)
+    ingest.remove_worker(shim.worker)
+    await shim.publish(Cleared())
+    await until(lambda: ingest.stats.unknown_held == 1, what="the last Cleared held")
+
+
+async def test_an_earlier_sessions_batch_held_before_the_name_registers_again_is_dropped_quietly(
+    ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shim under a fixed --worker-name restarting: the old session's last batch went to the new
+    registration's bootstrap, which dropped it as forged with an ERROR (every pod restart, in the
+    engine-fault audit of 2026-12-07)."""
+    caplog.set_level(logging.DEBUG, logger="router.kv_ingest")
+    await _left_with_its_last_batch_held(ingest, shim)
+    old = shim.epoch
+    shim.restart()
+    await shim.publish(Cleared(), Stored(hashes=[5]))  # the new session's first batch, ahead of its key
+    await until(lambda: ingest.stats.unknown_held == 2)
+    ingest.add_worker(shim.worker, shim.epoch)
+    assert ingest.stats.dropped_stale_session == 1
+    assert ingest.stats.workers["a1"].buffered == 1  # the new session's own batch is kept
+    assert ingest.stats.unknown_held == 0
+    assert await ingest.wait_synced(10.0)
+    assert ingest.stats.dropped_impossible == 0
+    assert ingest.index.dump() == shim.expected() == {"a1": [5]}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    (line,) = [r for r in caplog.records if "of another session" in r.getMessage()]
+    assert line.levelno == logging.DEBUG and f"epoch {old:x} seq 2" in line.getMessage()
+
+
+async def test_an_earlier_sessions_batch_past_the_ttl_when_the_name_registers_again_expires_first(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Expiry ran only when another unknown batch came: one 9-20 s old still went to the new
+    registration, and was dropped as forged."""
+    clock = Clock()
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, unknown_ttl_s=5.0, clock=clock)
+    await ingest.start()
+    try:
+        shim = FakeShim(nc, ns, "a1")
+        await shim.start()
+        await _left_with_its_last_batch_held(ingest, shim)
+        clock.now = 9.0
+        shim.restart()
+        with caplog.at_level(logging.WARNING, logger="router.kv_ingest"):
+            await synced_with(ingest, shim)
+        assert (ingest.stats.dropped_unknown, ingest.stats.unknown_held) == (1, 0)  # an unregistered worker's
+        assert (ingest.stats.dropped_stale_session, ingest.stats.dropped_impossible) == (0, 0)
+        assert caplog.records == []
+    finally:
+        await ingest.stop()
+
+
 async def test_stop_is_idempotent_and_cancels_repairs(nc: Client, ns: str, shim: FakeShim) -> None:
     shim.answering = False
     ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.1)
