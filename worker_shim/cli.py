@@ -77,7 +77,12 @@ _SHIM_FLAGS: list[tuple[str, type, str]] = [
     ("health_interval_s", float, "seconds between engine health checks (default 1)"),
     ("health_failures", int, "failed health checks in a row that deregister the worker (default 2)"),
     ("busy_limit_s", float, "seconds an engine may leave its health check unanswered before deregistering (30)"),
-    ("stall_limit_s", float, "seconds an engine with work may show no progress before deregistering as hung (120)"),
+    (
+        "stall_limit_s",
+        float,
+        "seconds an engine with work may show no progress, or answer nothing with legs in flight, before "
+        "deregistering as hung (120)",
+    ),
     (
         "max_inflight_legs",
         int,

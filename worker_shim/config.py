@@ -102,7 +102,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     busy_limit_s: how long an engine may leave its health check unanswered (a timeout: loaded, or
         hung) before the worker deregisters; a loaded engine answers late, a hung one never.
     stall_limit_s: how long an engine with work may show no progress (no token, no finished leg, no
-        step, no KV change) before the worker deregisters as hung, until it moves again. Longer
+        step, no KV change), or answer nothing at all with legs in flight (neither /health nor
+        /metrics: frozen, cut off), before the worker deregisters as hung, until it moves again. Longer
         than busy_limit_s: a long prefill on an engine without a step counter shows nothing.
     max_inflight_legs: the most legs served at once; more are refused with a retryable 503
         `overloaded`. Each holds a connection to the engine, a file descriptor: None takes the most

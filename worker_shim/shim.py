@@ -281,6 +281,7 @@ class WorkerShim:
             stall_limit_s=self.config.stall_limit_s,
             health_interval_s=self.config.health_interval_s,
             engine_url=self.config.engine_url,
+            own_stall=self.loop_watch.stalled_within,
         )
         self._engine_seen = False  # whether the engine's /health has said up
         self._held_since: float | None = None  # when --worker-name or the engine was first found held by another lease
@@ -1671,11 +1672,13 @@ class WorkerShim:
         engine answers /health late while it streams (vLLM under saturation misses 2 s deadlines),
         one draining refuses it while it finishes them (SGLang on SIGTERM), and a dead one drops
         their connections, so they fail by themselves. They stay watched (_wait_healthy, the next
-        session): one that then makes no progress for the stall limit is ended as hung."""
+        session): one that then makes no progress, or answers nothing at all (SIGSTOPped, cut off),
+        for the stall limit is ended as hung."""
         legs = len(self.requests.inflight) if self.requests is not None else 0
         if legs:
-            log.warning("the %d legs in flight on the engine at %s are left to finish, watched for a stall "
-                        "(--stall-limit-s)", legs, self.config.engine_url)  # fmt: skip
+            log.warning("the %d legs in flight on the engine at %s are left to finish, watched for a stall: they "
+                        "end once it makes no progress, or answers nothing at all, for --stall-limit-s (%.0fs)",
+                        legs, self.config.engine_url, self.config.stall_limit_s)  # fmt: skip
 
     def _hung(self, now: float) -> str | None:
         """The stall watchdog's look (worker_shim.stall_watchdog) on the engine's last readings."""

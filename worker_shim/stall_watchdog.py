@@ -7,7 +7,12 @@ counter and KV use) at each look, and an engine whose work has not moved for `st
 fresh load readings is hung: the shim ends its legs and keeps it deregistered until it moves again
 (`stalled`, where it stood). Stale readings (older than STALE_READINGS health intervals and
 STALE_MIN_S), no work to judge, or an engine that holds its load reading while it runs iterations
-start the count again.
+start the count again. An engine that answers nothing at all, neither /health nor /metrics
+(any HTTP status is an answer), while legs are in flight is frozen or cut off: its silence for
+`stall_limit_s`, from its last answer or the last output of a leg, is taken for a hang too, stale
+readings or not (until 2026-12-07 a SIGSTOPped engine with only non-streamed legs on it was never
+judged, and they waited out the router's --request-timeout). A stall of the shim's own is no
+silence of the engine's: it is not counted.
 
 The shim's, not a session's: legs left running when a session ends on a busy or down engine stay
 watched while the shim waits for it and in the next session. The shim owns the load readings and
@@ -17,6 +22,7 @@ passes them to each look.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,32 +73,49 @@ class StallWatchdog:
         stall_limit_s: float,
         health_interval_s: float,
         engine_url: str,
+        own_stall: Callable[[float], float],
     ) -> None:
         self._requests = requests
         self._adapter = adapter
+        self._own_stall = own_stall  # seconds the shim's own loop stood still within the last N (LoopWatch)
         self.stall_limit_s = stall_limit_s
         self.health_interval_s = health_interval_s
         self.engine_url = engine_url
         self.stalled: Progress | None = None  # where a hung engine stood when its session ended
         self._mark: Progress | None = None  # the last sight of a move: where the engine's work stood ...
         self._moved_at = time.monotonic()  # ... and when
+        self._output: Progress | None = None  # what the legs in flight had sent and ended at the last look ...
+        self._output_at = -math.inf  # ... and when that last moved
 
     def look(
         self, now: float, load: EngineLoad | None, load_at: float | None, iterating_at: float | None
     ) -> str | None:
         """Why the engine is hung (it is marked stalled), where its work has not moved for the
-        stall limit on fresh readings; else None. `load` is the last usable reading of the
-        engine's load, `load_at` when it came back, `iterating_at` the last reading held while
-        iterations ran (EngineLoad.iterating)."""
+        stall limit on fresh readings, or it has answered nothing for as long with legs in flight;
+        else None. `load` is the last usable reading of the engine's load, `load_at` when it came
+        back, `iterating_at` the last reading held while iterations ran (EngineLoad.iterating)."""
         mark, known_at = self.progress(load), self._known_at(now, load_at)
         iterating = iterating_at is not None and now - iterating_at <= self.stale_s()
+        if (silent_s := self._silent_s(now)) >= self.stall_limit_s:
+            self._mark = None  # its legs end: the count starts again
+            self._stall(
+                mark if mark is not None else self.idle(load),
+                f"answered neither /health nor /metrics for {silent_s:.0f}s ({self._legs()} legs in flight): frozen, "
+                "or cut off by the network",
+            )
+            return f"it answered nothing for {silent_s:.0f}s (frozen, or cut off)"
         if mark is None or self._mark is None or known_at is None or iterating or mark.moved_since(self._mark):
             self._mark, self._moved_at = mark, now
             return None
         if known_at - self._moved_at < self.stall_limit_s:
             return None
         still_s, self._mark = now - self._moved_at, None  # its legs end: the count starts again
-        self._stall(mark, still_s, load)
+        self._stall(
+            mark,
+            f"made no progress for {still_s:.0f}s ({self._legs()} legs in flight; it reports "
+            f"{load.running if load is not None else '?'} running, {load.waiting if load is not None else '?'} "
+            "waiting): hung",
+        )
         return f"it made no progress for {still_s:.0f}s (hung)"
 
     def idle(self, load: EngineLoad | None) -> Progress:
@@ -139,7 +162,8 @@ class StallWatchdog:
         """Until when the engine's progress is known: its last load reading's time. While that is
         stale (/metrics fails, hangs or repeats itself: its frozen counters are no evidence of a
         hang), now if a leg in flight has streamed output, whose tokens tell progress themselves;
-        else None (a long non-streamed request from idle shows nothing until it ends). Until
+        else None (a long non-streamed request from idle shows nothing until it ends; an engine
+        that answers nothing at all is judged by its silence: _silent_s). Until
         2026-12-07 stale readings alone were None: a hung TensorRT-LLM executor, whose /metrics
         answers [] for ever and whose /health says its process is alive, was never caught."""
         if load_at is not None and now - load_at <= self.stale_s():
@@ -148,15 +172,34 @@ class StallWatchdog:
         legs = requests.inflight.values() if requests is not None else ()
         return now if any(leg.writer is not None and leg.writer.sent_tokens for leg in legs) else None
 
-    def _stall(self, mark: Progress, still_s: float, load: EngineLoad | None) -> None:
+    def _silent_s(self, now: float) -> float:
+        """How long the engine has answered nothing (neither /health nor /metrics) while legs are in
+        flight, less the shim's own stalls: since its last answer, or a leg's last output; 0 with no
+        leg in flight (nothing to end: the health checks judge it) or no answer ever. A /metrics
+        answer held (TensorRT-LLM's, iterations running) is no answer: a frozen engine holds it too."""
         requests = self._requests()
+        legs = requests.inflight if requests is not None else {}
+        output = Progress(
+            completed=requests.completed if requests is not None else 0,
+            sent={rid: leg.writer.sent_tokens for rid, leg in legs.items() if leg.writer is not None},
+            iterations=0,
+            kv_usage=None,
+        )
+        if self._output is not None and output.moved_since(self._output):
+            self._output_at = now
+        self._output = output
+        answered_at = self._adapter().answered_at
+        if not legs or answered_at is None:
+            return 0.0
+        silent_s = now - max(answered_at, self._output_at)
+        return silent_s - self._own_stall(silent_s)
+
+    def _legs(self) -> int:
+        requests = self._requests()
+        return len(requests.inflight) if requests is not None else 0
+
+    def _stall(self, mark: Progress, what: str) -> None:
         log.error(
-            "engine at %s made no progress for %.0fs (%d legs in flight; it reports %s running, %s waiting): "
-            "hung: its legs end, and it is kept deregistered until it moves again",
-            self.engine_url,
-            still_s,
-            len(requests.inflight) if requests is not None else 0,
-            load.running if load is not None else "?",
-            load.waiting if load is not None else "?",
+            "engine at %s %s: its legs end, and it is kept deregistered until it moves again", self.engine_url, what
         )
         self.stalled = mark

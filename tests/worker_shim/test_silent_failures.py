@@ -59,19 +59,21 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 class FaultyProxy:
     """An HTTP pass-through in front of a sim: `fail[path]` next answers to `path` are 503s,
-    `rewrite[path]` changes a 200 answer's body, and with `cut_after` N a streamed answer ends,
-    cleanly, after its N-th event."""
+    `rewrite[path]` changes a 200 answer's body, `delay[path]` seconds pass before a request to
+    `path` goes on, and with `cut_after` N a streamed answer ends, cleanly, after its N-th event."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
         self.fail: dict[str, int] = {}
         self.rewrite: dict[str, Callable[[bytes], bytes]] = {}
+        self.delay: dict[str, float] = {}
         self.cut_after = 0
         self.url = ""
         self._session: aiohttp.ClientSession | None = None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         path = request.rel_url.path
+        await asyncio.sleep(self.delay.get(path, 0.0))
         if self.fail.get(path, 0) > 0:
             self.fail[path] -= 1
             return web.Response(status=503, text="unavailable")

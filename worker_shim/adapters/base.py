@@ -245,6 +245,10 @@ class EngineAdapter(ABC):
         # Prefill legs whose handle went to their decode peer, by request id: the engine waits for
         # that peer (SGLang's bootstrap queue) until it answers, which shows no step either.
         self.waiting_peer: set[str] = set()
+        # When the engine last answered a probe or a status read (any HTTP status; time.monotonic()),
+        # None before it ever did: an engine silent this long with legs in flight is frozen or cut
+        # off (the stall watchdog's count), where a busy one still answers one or the other.
+        self.answered_at: float | None = None
 
     @contextlib.contextmanager
     def watch_pull(self, leg: LegRequest, on_output: OnOutput) -> Iterator[OnOutput]:

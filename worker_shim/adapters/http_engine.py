@@ -3,14 +3,17 @@ probe and short GETs of its status endpoints, mapped to EngineError.
 
 The session has no connection limit: streams of concurrent requests must not queue behind each
 other (the request service bounds the legs in flight by the open-file limit instead). Status reads
-and the health probe get a short total timeout; generation calls get none (only a connect timeout),
-as a long generation is not a fault. A probe the shim cannot make for want of a file descriptor
-(EMFILE, ENFILE) is the shim's fault: it says nothing of the engine. Such an episode that lasts
-`busy_limit_s` makes the probe say DOWN: the shim cannot serve, and the worker deregisters.
+and the health probe get a short total timeout (one health probe past it runs on, so that a late
+answer still shows the engine alive: `answered_at`, the stall watchdog's); generation calls get
+none (only a connect timeout), as a long generation is not a fault. A probe the shim cannot make
+for want of a file descriptor (EMFILE, ENFILE) is the shim's fault: it says nothing of the engine.
+Such an episode that lasts `busy_limit_s` makes the probe say DOWN: the shim cannot serve, and the
+worker deregisters.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import resource
@@ -23,13 +26,15 @@ import aiohttp
 from protocol import ConfigError
 from protocol.client_errors import essence
 from protocol.messages import ENGINE_UTILITY_ENDPOINTS
+from runtime import cancel_and_wait
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth, ModelCard
 from worker_shim.adapters.openai_http import model_cards, post_utility
 from worker_shim.config import ShimConfig
 
 __all__ = ["NETWORK_ERRORS", "PROBE_TIMEOUT", "HttpEngineAdapter", "utf8_text"]
 
-PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+PROBE_TIMEOUT_S = 2.0
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
 _SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_connect=5.0)
 # An idle pooled connection is dropped before vLLM's uvicorn closes it (VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
 # 5 s): with aiohttp's 15 s, a leg sent on one the engine was closing that moment failed as
@@ -55,6 +60,11 @@ def _out_of_fds(exc: BaseException | None) -> bool:
     return False
 
 
+def _retrieved(probe: asyncio.Task[int]) -> None:
+    if not probe.cancelled():
+        probe.exception()  # a late probe's failure says nothing: the next probe answers for the engine
+
+
 def utf8_text(body: bytes, url: str) -> str:
     """`body`, the answer from `url`, as text; EngineError (502 `engine_protocol`) naming the first
     byte that is not UTF-8. A bare decode raised UnicodeDecodeError, whose repr holds the whole
@@ -76,6 +86,7 @@ class HttpEngineAdapter(EngineAdapter):
         self._out_of_fds_since: float | None = None  # probes fail for want of a descriptor since (logged once)
         self._fds_down = False  # that went on past busy_limit_s: DOWN (logged once)
         self._health_status: int | None = None  # the HTTP status of the last probe answered
+        self._late: asyncio.Task[int] | None = None  # a health probe left to finish past its timeout
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -89,6 +100,9 @@ class HttpEngineAdapter(EngineAdapter):
             self._session = aiohttp.ClientSession(timeout=_SESSION_TIMEOUT, connector=connector)
 
     async def close(self) -> None:
+        late, self._late = self._late, None
+        if late is not None:
+            await cancel_and_wait(late)
         session, self._session = self._session, None
         if session is not None:
             await session.close()
@@ -96,13 +110,19 @@ class HttpEngineAdapter(EngineAdapter):
     async def health(self) -> EngineHealth:
         """The engine's health; a probe the shim could not make (out of file descriptors) repeats
         the last probe's answer, with an ERROR: the engine is not to blame. Past busy_limit_s of
-        that it is DOWN: the shim's legs fail too, and an engine that died meanwhile goes unseen."""
+        that it is DOWN: the shim's legs fail too, and an engine that died meanwhile goes unseen.
+        A probe unanswered within PROBE_TIMEOUT is BUSY, and one such probe at a time is left to
+        finish (`answered_at`): a loaded engine answers late, a frozen one never."""
+        probe = asyncio.create_task(self._probe_health())
         try:
-            async with self.session.get(self.base + "/health", timeout=PROBE_TIMEOUT) as resp:
-                await resp.read()  # read to the end so the connection is reused
-                health = EngineHealth.UP if resp.status == 200 else EngineHealth.DOWN
-                status: int | None = resp.status
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                status: int | None = await asyncio.shield(probe)
+            health = EngineHealth.UP if status == 200 else EngineHealth.DOWN
+        except asyncio.CancelledError:
+            probe.cancel()
+            raise
         except TimeoutError:
+            self._leave_late(probe)
             health, status = EngineHealth.BUSY, None
         except NETWORK_ERRORS as exc:
             if _out_of_fds(exc):
@@ -111,6 +131,20 @@ class HttpEngineAdapter(EngineAdapter):
         self._health, self._out_of_fds_since, self._fds_down = health, None, False
         self._health_status = status
         return health
+
+    async def _probe_health(self) -> int:
+        async with self.session.get(self.base + "/health") as resp:
+            self.answered_at = time.monotonic()
+            await resp.read()  # read to the end so the connection is reused
+            return resp.status
+
+    def _leave_late(self, probe: asyncio.Task[int]) -> None:
+        """`probe`, past its timeout, runs on unless one left before still does; its end is nobody's."""
+        probe.add_done_callback(_retrieved)
+        if self._late is not None and not self._late.done():
+            probe.cancel()
+        else:
+            self._late = probe
 
     async def misdirected(self) -> ConfigError | None:
         """The last health probe was answered 404 or 405: a server listens at --engine-url, but
@@ -185,6 +219,7 @@ class HttpEngineAdapter(EngineAdapter):
         """The body of a 200 answer from `path`; EngineError for any other status or no answer."""
         try:
             async with self.session.request(method, self.base + path, timeout=timeout) as resp:
+                self.answered_at = time.monotonic()
                 if resp.status != 200:
                     raise EngineError(resp.status, "engine_error", f"{self.base}{path} answered {resp.status}")
                 return await resp.read()

@@ -1,0 +1,193 @@
+"""An engine frozen (SIGSTOP: a stopped container, a host cut off) with only non-streamed legs on
+it: it answers nothing, neither /health nor /metrics, and its legs show no output until they end.
+Until 2026-12-07 the stall watchdog took no silence from stale readings without streamed output,
+so the legs waited out the router's --request-timeout (600 s), though the shim's WARNING said they
+were watched for a stall. Now the engine's silence is the stall: they end with a retryable 503
+about --stall-limit-s after its last answer (a real engine_sim process, real nats and etcd)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import aiohttp
+import nats
+import pytest
+from nats.aio.msg import Msg
+
+from engine_sim.server import SimServer
+from kvswitch.servers import free_port
+from protocol import GenerateRequest, ResponseChunk, SamplingParams, decode_msg, encode_msg, subjects
+from protocol.config import EtcdSettings, NatsSettings
+from runtime.nats_flush import flush
+from tests.runtime.frozen import frozen, stopped
+from tests.worker_shim.cluster import shim_for, sim_config, wait_for
+from tests.worker_shim.test_silent_failures import FaultyProxy
+from worker_shim import ShimConfig, WorkerShim
+
+LEGS = 3
+
+
+@contextmanager
+def sim_process() -> Iterator[tuple[subprocess.Popen[bytes], int, int, int]]:
+    """`kvswitch sim` in a process of its own (one that SIGSTOP can freeze): it, its HTTP port, and
+    its KV event and replay ports."""
+    port, events, replay = free_port(), free_port(), free_port()
+    kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
+          "replay_endpoint": f"tcp://*:{replay}"}  # fmt: skip
+    argv = [sys.executable, "-m", "kvswitch", "sim", "--port", str(port), "--speedup", "1", "--block-size", "16",
+            "--num-gpu-blocks", "4096", "--kv-events-config", json.dumps(kv)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield proc, port, events, replay
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def _up(proc: subprocess.Popen[bytes], url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        for _ in range(300):
+            assert proc.poll() is None, f"the sim exited {proc.returncode}"
+            try:
+                async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"the sim at {url} did not come up")
+
+
+@pytest.mark.parametrize(
+    ("busy_limit_s", "stall_limit_s"),
+    [
+        (30.0, 5.0),  # judged within the session: the busy limit is not reached first
+        (1.0, 8.0),  # deregistered as busy first, the legs left to finish: judged between sessions
+    ],
+)
+async def test_non_streamed_legs_on_a_frozen_engine_end_about_the_stall_limit_after_its_last_answer(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, busy_limit_s: float, stall_limit_s: float
+) -> None:
+    with sim_process() as (proc, port, events, replay):
+        url = f"http://127.0.0.1:{port}"
+        await _up(proc, url)
+        cfg = ShimConfig(
+            engine="vllm",
+            engine_url=url,
+            model="sim-llama",
+            kv_events=f"tcp://127.0.0.1:{events}",
+            kv_events_mode="connect",
+            kv_replay=f"tcp://127.0.0.1:{replay}",
+            namespace=ns,
+            lease_ttl=3,
+            health_interval_s=0.5,
+            busy_limit_s=busy_limit_s,
+            stall_limit_s=stall_limit_s,
+        )
+        shim = WorkerShim(cfg, NatsSettings(servers=[nats_url]), EtcdSettings(endpoints=[etcd_url]))
+        nc = await nats.connect(nats_url)
+        finals: dict[str, ResponseChunk] = {}
+
+        async def on_reply(msg: Msg) -> None:
+            chunk = decode_msg(msg.data, ResponseChunk)
+            if chunk.final:
+                finals[chunk.request_id] = chunk
+
+        try:
+            with caplog.at_level(logging.INFO):
+                async with shim:
+                    await asyncio.wait_for(shim.registered.wait(), 30)
+                    assert shim.worker_id is not None and shim.requests is not None
+                    await wait_for(lambda: shim.probe.settled, what="the endpoint probe to settle")
+                    inbox = nc.new_inbox()
+                    await nc.subscribe(inbox + ".*", cb=on_reply)
+                    for i in range(LEGS):
+                        req = GenerateRequest(
+                            request_id=f"batch-{i}",
+                            model="sim-llama",
+                            token_ids=list(range(1 + i, 200 + i)),
+                            # minutes of decoding at the sim's modelled speed: only the freeze ends them
+                            sampling=SamplingParams(max_tokens=6000, ignore_eos=True),
+                            stream=False,
+                        )
+                        await nc.publish(subjects.gen(ns, "agg", shim.worker_id), encode_msg(req), reply=f"{inbox}.{i}")
+                    await flush(nc)
+                    await wait_for(lambda: len(shim.requests.inflight) == LEGS, what="the legs in flight")  # type: ignore[union-attr]
+                    await asyncio.sleep(1.0)  # the engine decodes them; its /metrics answer as it does
+                    assert not finals
+                    with frozen(proc.pid):
+                        await wait_for(lambda: stopped(proc.pid), what="the sim stopped")
+                        since = time.monotonic()
+                        await wait_for(lambda: len(finals) == LEGS, timeout=stall_limit_s + 20, what="the legs ended")
+                        took = time.monotonic() - since
+                    assert {(c.error.code, c.error.kind) for c in finals.values() if c.error} == {
+                        (503, "engine_unavailable")
+                    }, finals
+                    assert all(c.error is not None and "answered nothing" in c.error.message for c in finals.values())
+                    # the last answer came at most a health check (0.5 s apart) or a load read before the stop;
+                    # the watchdog looks at each check (between sessions with a /metrics read besides)
+                    assert stall_limit_s - 1.5 < took < stall_limit_s + 6.0, took
+                    assert "answered neither /health nor /metrics" in caplog.text
+                    if busy_limit_s < stall_limit_s:
+                        assert "has not answered a health check" in caplog.text
+                        assert "left to finish, watched for a stall" in caplog.text
+                    assert not shim.registered.is_set()
+                    await wait_for(shim.registered.is_set, timeout=30, what="registered again once it moves")
+        finally:
+            await nc.close()
+
+
+async def test_non_streamed_legs_on_an_engine_answering_health_and_metrics_late_run_on(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loaded engine's API server late on both /health and /metrics, past the shim's 2 s probes
+    (vLLM under saturation), but answering: no silence, though its legs stream nothing for several
+    stall limits. A late /health answer counts: one probe at a time runs on past its timeout."""
+    stall_limit_s = 4.0  # past the gap between late answers (a probe each 2.5 s, answered 2.2 s on)
+    async with SimServer(sim_config(speedup=1.0)) as sim, FaultyProxy(sim.url).running() as proxy:
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine_url=proxy.url, stall_limit_s=stall_limit_s,
+                        health_interval_s=0.5)  # fmt: skip
+        nc = await nats.connect(nats_url)
+        finals: dict[str, ResponseChunk] = {}
+
+        async def on_reply(msg: Msg) -> None:
+            chunk = decode_msg(msg.data, ResponseChunk)
+            if chunk.final:
+                finals[chunk.request_id] = chunk
+
+        try:
+            with caplog.at_level(logging.INFO):
+                async with shim:
+                    await asyncio.wait_for(shim.registered.wait(), 30)
+                    assert shim.worker_id is not None and shim.requests is not None
+                    await wait_for(lambda: shim.probe.settled, what="the endpoint probe to settle")
+                    inbox = nc.new_inbox()
+                    await nc.subscribe(inbox, cb=on_reply)
+                    proxy.delay.update({"/health": 2.2, "/metrics": 2.2})
+                    await asyncio.sleep(2.2)  # the probes under way answered in time
+                    sim.faults.slowdown = 60.0  # seconds of decoding for a few tokens
+                    req = GenerateRequest(
+                        request_id="batch",
+                        model="sim-llama",
+                        token_ids=list(range(1, 100)),
+                        sampling=SamplingParams(max_tokens=30, ignore_eos=True),
+                        stream=False,
+                    )
+                    await nc.publish(subjects.gen(ns, "agg", shim.worker_id), encode_msg(req), reply=inbox)
+                    await flush(nc)
+                    sent = time.monotonic()
+                    await wait_for(lambda: bool(finals), timeout=60, what="the leg's end")
+                    took = time.monotonic() - sent
+                    assert finals["batch"].error is None and finals["batch"].finish_reason == "length", finals
+                    assert took > 2 * stall_limit_s, "the leg ran several stall limits"
+                    assert "does not answer its health check in time" in caplog.text, "its probes were late"
+                    assert "answered neither" not in caplog.text and "made no progress" not in caplog.text
+        finally:
+            await nc.close()
