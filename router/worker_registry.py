@@ -194,7 +194,7 @@ class WorkerRegistry:
             fleet_log=fleet_log,
         )
         self._records = RefusedRecords(self._refused_lines.say, "worker record under key %r ignored: %s")
-        # every name (model, alias, adapter) a worker whose key went served, with when and its model
+        # every name (model, alias, adapter) the last worker serving it left with, when, and its model
         self._left: OrderedDict[str, Departed] = OrderedDict()
         self.status = PartStatus.NEW
         self._ready = asyncio.Event()
@@ -305,12 +305,13 @@ class WorkerRegistry:
         return self._named
 
     def departed(self) -> Mapping[str, Departed]:
-        """The names a worker serving them (its model, an alias or a LoRA adapter) left with, its
-        key gone (a crash, a lease lost, a restart, a record refused), each with when the last one
-        left and its model, oldest first; a name leaves it once a worker registers serving it, and
-        the oldest once _LEFT_MAX are kept. Every replica sees the same departures, from the time
-        it started reading the workers: a name no worker serves now that one left with may be
-        back; one a worker still registered stopped serving (an adapter unloaded) is gone."""
+        """The names (a model, an alias or a LoRA adapter) the last worker serving them left with,
+        its key gone (a crash, a lease lost, a restart, a record refused), each with when it left
+        and its model, oldest first; a name leaves it once a worker registers serving it, and the
+        oldest once _LEFT_MAX are kept. Every replica sees the same departures, from the time it
+        started reading the workers: a name no worker serves now that one left with may be back;
+        one a worker still registered stopped serving (an adapter unloaded) is gone, even after
+        other workers serving it left before."""
         return MappingProxyType(self._left)
 
     def refusing(self) -> list[Refused]:
@@ -465,6 +466,8 @@ class WorkerRegistry:
             self._reindex(name, info, None)
             now, left = time.monotonic(), self._left
             for served in (info.model, *info.aliases, *info.adapters):
+                if served in self._of_model or served in self._naming:
+                    continue  # another worker still serves it: not gone, and unloaded from it later a 404
                 left[served] = Departed(now, info.model)
                 left.move_to_end(served)
             while len(left) > _LEFT_MAX:

@@ -109,3 +109,25 @@ async def test_every_replica_answers_503_for_a_name_whose_workers_left_not_only_
             problems = (await r.json())["problems"]
         assert r.status == 503 and any("every worker has left" in p for p in problems), problems
         assert not any("--namespace" in p for p in problems), problems
+
+
+async def test_an_adapter_unloaded_from_its_last_worker_after_another_serving_it_left_is_a_404(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """A worker scaled down with an adapter others still serve is no departure of it: unloaded
+    from the one left, the adapter is vLLM's 404 "does not exist", where every replica answered
+    the 503 with Retry-After for 10 min."""
+    lora = (LoraModule("chat", "/adapters/chat"),)
+    first = await cluster.add_worker("agg", lora_modules=lora)
+    second = await cluster.add_worker("agg", lora_modules=lora, runtime_lora_updating=True)
+    router = await cluster.add_ready_router()
+    assert (await ask(http, router, model="chat"))[0] == 200
+    await first.shim.stop()
+    await until(lambda: len(router.registry.workers()) == 1, what="the first worker gone")
+    assert (await ask(http, router, model="chat"))[0] == 200  # the second still serves it
+    async with http.post(second.sim.url + "/v1/unload_lora_adapter", json={"lora_name": "chat"}) as r:
+        assert r.status == 200
+    await until(lambda: "chat" not in router.adapters(), what="the unloaded adapter gone")
+    status, out, retry = await ask(http, router, model="chat")
+    assert (status, retry) == (404, None) and "does not exist" in out["error"]["message"], out
+    assert (await ask(http, router, model=MODEL))[0] == 200

@@ -94,8 +94,8 @@ async def test_new_changed_and_deleted_workers_drive_the_callbacks(
 async def test_a_name_whose_worker_left_is_gone_until_a_worker_serves_it_again(
     disc: Discovery, registry: tuple[WorkerRegistry, Calls]
 ) -> None:
-    """departed (a 503 to retry, not a 404, for 10 min) after any worker serving the name left,
-    even once one registered serving it again and it was then unloaded everywhere."""
+    """departed (a 503 to retry, not a 404, for 10 min) after the last worker serving the name left,
+    until one registers serving it again."""
     reg, _ = registry
     await reg.start()
     assert await reg.wait_ready(10.0)
@@ -109,6 +109,29 @@ async def test_a_name_whose_worker_left_is_gone_until_a_worker_serves_it_again(
     back = await register(disc, adapters=["sql"])
     await until(lambda: reg.get(back.hex_id) is not None)
     assert "sql" not in reg.departed() and "m" not in reg.departed()
+
+
+async def test_a_name_other_workers_still_serve_is_not_departed_and_unloaded_from_them_is_gone(
+    disc: Discovery, registry: tuple[WorkerRegistry, Calls]
+) -> None:
+    """A worker leaving with a name others still serve records no departure for it: the adapter
+    unloaded from the one left later is unknown (vLLM's 404), not a 503 for 10 min on every
+    replica; the last worker's departure records only what it still served."""
+    reg, _ = registry
+    await reg.start()
+    assert await reg.wait_ready(10.0)
+    one = await register(disc, adapters=["chat"])
+    two = await register(disc, adapters=["chat"], aliases=["m-alias"])
+    await until(lambda: reg.get(one.hex_id) is not None and reg.get(two.hex_id) is not None)
+    await disc.release(one)
+    await until(lambda: reg.get(one.hex_id) is None)
+    assert dict(reg.departed()) == {}
+    await disc.update_worker(two, info(two.hex_id, aliases=["m-alias"]))  # chat unloaded
+    await until(lambda: reg.get(two.hex_id) == info(two.hex_id, aliases=["m-alias"]))
+    assert dict(reg.departed()) == {}
+    await disc.release(two)
+    await until(lambda: reg.get(two.hex_id) is None)
+    assert sorted(reg.departed()) == ["m", "m-alias"], reg.departed()
 
 
 async def test_filters_by_model_and_role(disc: Discovery, registry: tuple[WorkerRegistry, Calls]) -> None:
