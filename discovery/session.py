@@ -11,7 +11,7 @@ from typing import NamedTuple, Self, TypeVar
 
 import grpc
 import msgspec
-from etcd3aio import Etcd3Client, EtcdPermissionDeniedError, prefix_range_end
+from etcd3aio import Etcd3Client, EtcdPermissionDeniedError, EtcdTransientError, prefix_range_end
 from etcd3aio._protobuf import Compare
 from etcd3aio.kv import KVService
 from etcd3aio.watch import WatchService
@@ -36,6 +36,7 @@ DEFAULT_TTL = 10
 # its routers' legs (worker_shim.orphaned_legs) a few seconds at most on an etcd others share.
 _NAMESPACES_READ = 1000
 _NAMESPACES_READ_S = 3.0
+_LAST_READ_S = 0.5  # the timeout of a read begun as those 3 s run out: one key's name
 M = TypeVar("M", bound=msgspec.Struct)
 # gRPC's default reconnect backoff grows to two minutes: after an etcd outage longer than a lease
 # TTL, the first renewal would come too late for the lease etcd kept. Retry at least every second.
@@ -498,43 +499,55 @@ class Discovery:
         time: the first key of the keyspace gives its first path segment, a read of one key under
         /{seg}/routers/ whether a router is there, and the next read starts past /{seg}/. One read of
         every key overflowed gRPC's 4 MiB answer on a large shared etcd (review of 2026-12-07). At
-        most `most` namespaces and `within_s` s (RouterNamespaces.cut says where it stopped); None
+        most `most` namespaces and `within_s` s, or _LAST_READ_S past it for a read begun at its end
+        (RouterNamespaces.cut says where it stopped, a read timed out then too); None
         when this user may not read beyond its own namespace (a role kvswitch secrets makes),
         DiscoveryError when etcd cannot say."""
         found: list[str] = []
         deadline = time.monotonic() + within_s
         start, end = b"/", prefix_range_end(b"/")
         read = 0
+        unread = "from / on"  # what a read stopped now leaves unread
         with self._calling(lambda exc: DiscoveryError(f"reading the routers of every namespace failed: {said(exc)}")):
             try:
-                while (key := await self._first_key(start, end)) is not None:
+                while (key := await self._first_key(start, end, deadline)) is not None:
                     seg, leaf, start = _segment(b"/", key)
+                    where = seg.decode(errors="replace")
+                    unread = f"from /{where} on"
                     if read >= most or time.monotonic() >= deadline:
                         why = f"{most} namespaces" if read >= most else f"{within_s:g} s"
-                        where = seg.decode(errors="replace")
-                        return RouterNamespaces(found, f"the read stopped at its most, {why}: from /{where} on unread")
-                    if leaf or not seg:  # a key of one segment, or under //: no namespace's
-                        continue
-                    read += 1
-                    if await self._has_router(b"/" + seg + b"/routers/"):
-                        found.append(seg.decode(errors="replace"))
+                        return RouterNamespaces(found, f"the read stopped at its most, {why}: {unread} unread")
+                    if seg and not leaf:  # else a key of one segment, or under //: no namespace's
+                        read += 1
+                        if await self._has_router(b"/" + seg + b"/routers/", deadline):
+                            found.append(where)
+                    unread = f"after /{where}"
             except EtcdPermissionDeniedError:
                 return None
+            except (TimeoutError, EtcdTransientError):
+                if time.monotonic() < deadline:
+                    raise  # etcd's own failure: a DiscoveryError
+                return RouterNamespaces(found, f"the read stopped at its most, {within_s:g} s: {unread} unread")
         return RouterNamespaces(found, None)
 
-    async def _first_key(self, start: bytes, end: bytes) -> bytes | None:
-        """The first key in [start, end), or None: a read of one key's name."""
+    async def _first_key(self, start: bytes, end: bytes, deadline: float) -> bytes | None:
+        """The first key in [start, end), or None: a read of one key's name, which times out by
+        `deadline` (time.monotonic), or within _LAST_READ_S past it."""
         assert self.client.kv is not None
-        resp = await self.client.kv.get(start, end, keys_only=True, limit=1, timeout=5.0)
+        timeout = min(5.0, max(_LAST_READ_S, deadline - time.monotonic()))
+        resp = await self.client.kv.get(start, end, keys_only=True, limit=1, timeout=timeout)
         return bytes(resp.kvs[0].key) if resp.kvs else None
 
-    async def _has_router(self, prefix: bytes) -> bool:
-        """Whether a key is exactly `prefix` + a router id (deeper keys are no router's)."""
+    async def _has_router(self, prefix: bytes, deadline: float) -> bool:
+        """Whether a key is exactly `prefix` + a router id (deeper keys are no router's); TimeoutError
+        once `deadline` passes before it can say."""
         start, end = prefix, prefix_range_end(prefix)
-        while (key := await self._first_key(start, end)) is not None:
+        while (key := await self._first_key(start, end, deadline)) is not None:
             seg, leaf, start = _segment(prefix, key)
             if leaf and seg:
                 return True
+            if time.monotonic() >= deadline:
+                raise TimeoutError
         return False
 
     def watch_raw(self, prefix: str) -> AsyncGenerator[WatchEvent[bytes], None]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -141,6 +142,53 @@ async def test_router_namespaces_reads_a_keyspace_larger_than_one_grpc_answer_a_
                 and late.found == []
                 and late.cut == "the read stopped at its most, 0 s: from / on unread"
             )
+
+
+@pytest.mark.parametrize(
+    ("read_s", "keys", "found", "unread"),
+    [
+        # each read slow under its 5 s timeout: the reads of /a ran on to 5 s, /b's to 7.5 s
+        (2.5, ["/a/routers/r", "/b/routers/r", "/c/routers/r"], [], "from /a on"),
+        # the next namespace's read timed out at the cap
+        (1.2, ["/a/routers/r", "/b/routers/r"], ["a"], "after /a"),
+        # many keys under one namespace's /routers/, none a router's: its reads ran on past the cap
+        (
+            0.5,
+            ["/a/routers/r", "/b/routers/x/1", "/b/routers/y/1", "/b/routers/z/1", "/c/routers/r"],
+            ["a"],
+            "from /b on",
+        ),
+    ],
+)
+async def test_a_slow_etcd_holds_the_read_of_the_namespaces_no_longer_than_its_cap(
+    ns: str,
+    etcd_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    read_s: float,
+    keys: list[str],
+    found: list[str],
+    unread: str,
+) -> None:
+    """The read runs in the shim's loop that cancels the legs of a router that died
+    (worker_shim.orphaned_legs): each read's timeout ends within the cap, and the read of one
+    namespace stops at it too, so a slow etcd holds it the cap and one short read at most (on a
+    clock of the reads' own), not ~13 s."""
+    now = [0.0]
+    monkeypatch.setattr(session, "time", SimpleNamespace(monotonic=lambda: now[0]))
+
+    async def get(start: bytes, end: bytes, *, keys_only: bool, limit: int, timeout: float) -> SimpleNamespace:
+        if timeout < read_s:  # as etcd3aio's timeout of the call ends it
+            now[0] += timeout
+            raise TimeoutError
+        now[0] += read_s
+        first = next((k for k in map(str.encode, keys) if start <= k < end), None)
+        return SimpleNamespace(kvs=[SimpleNamespace(key=first)] if first is not None else [])
+
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        monkeypatch.setattr(d.client.kv, "get", get)
+        read = await d.router_namespaces()
+    assert read == RouterNamespaces(found, f"the read stopped at its most, 3 s: {unread} unread")
+    assert now[0] <= session._NAMESPACES_READ_S + session._LAST_READ_S, now
 
 
 async def test_a_read_of_the_namespaces_cut_short_says_so(
