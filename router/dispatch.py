@@ -30,7 +30,10 @@ the leg ends with a `final` chunk or an `error` one.
 - a decode/agg leg whose worker dies (no responder, its etcd key gone, silent, a 5xx error chunk)
   or answers 404 (an adapter unloaded there) before the first token is retried once on the
   next-best worker (a new plan, booked by the planner); after the first token the error goes to
-  the client.
+  the client. Its engine's server error (a 5xx but 503) is reported (`on_engine`: three in a row
+  leave the worker out) only once the retry generates output, as a prefill leg's is: one the
+  request itself caused fails the retry too and costs neither worker anything, and one with no
+  retry (no other worker, no time) says nothing of the worker.
 - liveness: every leg asks for a heartbeat every `stream_heartbeat_s`; a leg silent for three of them
   ends (its worker is reported unreachable), so a worker that dies before the first token costs a
   stream at most 3x that. After the first token, silence may be chunks lost on the way (a NATS
@@ -184,9 +187,11 @@ class Job:
     held: list[ResponseChunk] = field(default_factory=list)
     held_bytes: int = 0  # of the events held, this leg's (MAX_HELD_BYTES)
     tried: set[str] = field(default_factory=set)
-    # (prefill worker, fault) of a prefill leg its engine failed with a 5xx: put down to that worker
-    # only once the request is served, as one the request itself caused fails every engine alike
-    prefill_error: tuple[str, str] | None = None
+    # (worker, fault, role) of its legs whose engines failed them with a server error (a 5xx) before
+    # any output: put down to those workers only once another leg generates output for the request,
+    # as one the request itself caused (vLLM 0.32: a grammar that fails to compile) fails every
+    # engine alike; dropped when a later leg fails so too, or the request ends unserved
+    engine_errors: list[tuple[str, str, str]] = field(default_factory=list)
     # (prefill worker, its engine's message) of a prefill leg its engine refused (a 4xx): put down
     # to that worker only if a decode engine serves the request
     prefill_refused: tuple[str, str] | None = None
@@ -366,7 +371,8 @@ class Dispatcher:
         # prefill leg that worked or failed through that worker
         self._on_prefill = on_prefill
         # (worker, its engine's server error or None) per decode or agg leg that failed before its
-        # first output with one, or gave that output (router.eligibility's `engine_failing`)
+        # first output with one, once another leg gave its request output (Job.engine_errors), or
+        # gave that output itself (router.eligibility's `engine_failing`)
         self._on_engine = on_engine
         self._ns = ns
         self._bookings = bookings
@@ -809,10 +815,10 @@ class Dispatcher:
                 return
             except LegError as exc:
                 self._blame(exc)
-                if job.first_token_at is None and exc.role != "prefill" and job.transfer is None:
-                    self._failed_before_output(exc)
                 if exc.engine_failed:
-                    job.prefill_error = None  # it failed here too: the request's doing, not the prefill worker's
+                    job.engine_errors.clear()  # it failed here too: the request's doing, not those workers'
+                if job.first_token_at is None and exc.role != "prefill" and job.transfer is None:
+                    self._failed_before_output(job, exc)
                 retry = job.first_token_at is None and exc.retryable and job.attempts == 1
                 retry = retry and not time_up(job.deadline)  # past it, the retry's leg would not be sent
                 plan = job.replan(frozenset(job.tried)) if retry else None
@@ -836,15 +842,25 @@ class Dispatcher:
             finally:
                 self._free(job)
 
-    def _failed_before_output(self, exc: LegError) -> None:
-        """A decode or agg leg failed before its first output (not a pull of a transfer: router.transfer_health's):
-        counted by worker and kind, and an engine's own server error reported (`on_engine`)."""
+    def _failed_before_output(self, job: Job, exc: LegError) -> None:
+        """A decode or agg leg of `job` failed before its first output (not a pull of a transfer:
+        router.transfer_health's): counted by worker and kind, an engine's own server error held for
+        the request's retry to judge (Job.engine_errors)."""
         kind = _failed_kind(exc)
         if kind is None or not self._registered(exc.worker):
             return
         self.legs_failed[exc.worker, kind] += 1
         if kind == "engine_error":
-            self._on_engine(exc.worker, f"{exc.code} {brief(exc.message)}")
+            job.engine_errors.append((exc.worker, f"{exc.code} {brief(exc.message)}", exc.role))
+
+    def _served_despite(self, job: Job) -> None:
+        """A leg generated output for `job`: the server errors its earlier legs met were their engines'."""
+        for worker, fault, role in job.engine_errors:
+            if role == "prefill":
+                self._on_prefill(worker, fault, False)
+            else:
+                self._on_engine(worker, fault)
+        job.engine_errors.clear()
 
     def _free(self, job: Job, *, served: bool = False) -> None:
         """Free the attempt's booking, once: at its decode leg's end (`served`: its worker prefilled the
@@ -1045,10 +1061,9 @@ class Dispatcher:
                         self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), True)
                         unjudged = False
                     # Generated output, not a chat stream's role chunk, which vLLM sends before a
-                    # request's own error: only then did the prefill worker fail a sound request.
-                    if job.prefill_error is not None and (generated or chunk.final):
-                        self._on_prefill(*job.prefill_error, False)  # served here: the prefill worker failed it
-                        job.prefill_error = None
+                    # request's own error: only then did the engines of its earlier legs fail a sound request.
+                    if job.engine_errors and (generated or chunk.final):
+                        self._served_despite(job)
                     if job.prefill_refused is not None and (generated or chunk.final):
                         if plan.path is Path.REMOTE and job.transfer is None and not job.fallback:
                             # This attempt's prefill leg was refused (_prefill): only now a fallback.
@@ -1216,7 +1231,7 @@ class Dispatcher:
         if not plan.decode.info.local_prefill:
             raise self._no_local_prefill(job, plan, exc)
         if fault is not None and exc.engine_failed:
-            job.prefill_error = (worker, fault[0])  # judged by the fallback (_decode, run)
+            job.engine_errors.append((worker, fault[0], "prefill"))  # judged by the fallback (_decode, run)
         if not exc.malformed:  # that one is logged once per worker (_blame), not per request
             log.warning(
                 "request %s: remote prefill failed (%s); falling back to local prefill on %s",

@@ -176,10 +176,10 @@ class _StateCollector(Collector):
         failed = CounterMetricFamily(
             "kvswitch_router_worker_legs_failed",
             "Decode and agg legs that failed before their first output, by registered worker and kind: engine_error "
-            "(its engine's server error, 5xx but 503; enough in a row leave it out as engine_failing), engine_busy "
-            "(its engine's 429 or 503), engine_unavailable (its shim could not reach the engine), unreachable (no "
-            "responder, silent), malformed (a reply that broke the protocol). Each retried once on another "
-            "worker where one is left",
+            "(its engine's server error, 5xx but 503; enough in a row, each retried on another worker that gave "
+            "output, leave it out as engine_failing), engine_busy (its engine's 429 or 503), engine_unavailable "
+            "(its shim could not reach the engine), unreachable (no responder, silent), malformed (a reply that "
+            "broke the protocol). Each retried once on another worker where one is left",
             labels=["worker", "kind"],
         )
         for (worker, kind), n in sorted(s.legs_failed.items()):

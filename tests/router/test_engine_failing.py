@@ -1,19 +1,28 @@
 """A worker whose engine answers /health but fails every completion with a server error is left out
 (`engine_failing`) after ENGINE_FAILING_AFTER such failures in a row, tried again by one request
 after a cooldown that each failed try doubles, and readmitted when that request is served; a fleet
-whose only worker fails so still sends it requests. Before (engine-fault audit of 2026-12-07) such
+whose only worker left out so still sends it requests. Before (engine-fault audit of 2026-12-07) such
 a worker stayed routable for good: every request it drew failed once and was retried, two such
-workers gave clients errors. Unit tests on Eligibility, then end to end against real NATS and etcd."""
+workers gave clients errors. A server error counts against its worker only once the request's retry
+generates output on another: one the request itself causes fails there too and costs neither worker
+anything (review of 1f3b368: three such requests left out a healthy worker, six the whole fleet).
+Unit tests on Eligibility, then on the Dispatcher, then end to end against real NATS and etcd."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 
-from protocol.messages import WorkerInfo
+from protocol import GenerateRequest, block_hashes
+from protocol.config import RouterSettings
+from protocol.messages import ErrorInfo, WorkerInfo
+from router.dispatch import Dispatcher
 from router.eligibility import (
     ENGINE_COOLDOWN_MAX_S,
     ENGINE_COOLDOWN_S,
@@ -22,11 +31,18 @@ from router.eligibility import (
     Exclusion,
     taking_requests,
 )
+from router.leg import LegError
 from router.load_view import Liveness
-from tests.router.conftest import MODEL, Cluster, complete
+from router.service import RouterService
+from tests.router.conftest import BLOCK, MODEL, Cluster, Worker, complete
+from tests.router.polling import until
+from tests.router.test_dispatch import HB, Books, answer, chunk, collect, job
+from tests.router.test_dispatch import Worker as FakeWorker
 from tests.router.test_prefill_breaker import fails_poisoned_requests
+from worker_shim.adapters.base import EngineError
 
 FAULT = "500 EngineCore died"
+POISON_LAST = 4242  # a prompt's last token standing for "this request's grammar does not compile"
 
 
 class World:
@@ -109,6 +125,74 @@ def test_a_worker_that_leaves_takes_its_engine_episode_with_it() -> None:
     assert w.exclusion() is None
 
 
+# --- Dispatcher --------------------------------------------------------------------------------
+
+
+def fail_with(code: int, kind: str, message: str = "Internal server error"):  # type: ignore[no-untyped-def]
+    async def run(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        await chunk(nc, msg, req, 0, final=True, error=ErrorInfo(code=code, kind=kind, message=message))
+
+    return run
+
+
+class Reports:
+    """A Dispatcher recording what it reports of engines."""
+
+    def __init__(self, nc: Client, ns: str) -> None:
+        self.engine: list[tuple[str, str | None]] = []
+        self.pulls: list[tuple[str, str, bool]] = []
+        self.dispatcher = Dispatcher(
+            nc, ns, Books(), settings=lambda: RouterSettings(stream_heartbeat_s=HB),
+            on_engine=lambda worker, fault: self.engine.append((worker, fault)),
+            on_transfer=lambda decode, prefill, ok: self.pulls.append((decode, prefill, ok)),
+        )  # fmt: skip
+
+    def faults(self) -> list[tuple[str, str | None]]:
+        return [(worker, fault) for worker, fault in self.engine if fault is not None]
+
+
+@pytest.fixture
+async def reports(nc: Client, ns: str) -> AsyncIterator[Reports]:
+    r = Reports(nc, ns)
+    await r.dispatcher.start()
+    yield r
+    await r.dispatcher.stop()
+
+
+async def test_a_server_error_counts_against_its_worker_once_the_retry_elsewhere_generates_output(
+    nc: Client, ns: str, reports: Reports
+) -> None:
+    await FakeWorker(nc, ns, "w1").serve("decode", fail_with(500, "engine_error"))
+    await FakeWorker(nc, ns, "w2").serve("decode", answer)
+    chunks = await collect(reports.dispatcher, job("w1", replans=[job("w2").plan]))
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert reports.faults() == [("w1", "500 Internal server error")] and ("w2", None) in reports.engine
+    assert reports.dispatcher.legs_failed == {("w1", "engine_error"): 1}
+
+
+async def test_a_server_error_the_retry_meets_too_is_the_requests_and_counts_against_neither_worker(
+    nc: Client, ns: str, reports: Reports
+) -> None:
+    """vLLM 0.32 answers a request whose grammar fails to compile with a generic 500, alike on every
+    engine. Before, each of its two legs counted against its worker: three such requests left out a
+    healthy worker (its cached prefixes lost to every request after), six the whole fleet."""
+    for name in ("w1", "w2"):
+        await FakeWorker(nc, ns, name).serve("decode", fail_with(500, "engine_error"))
+    with pytest.raises(LegError) as err:
+        await collect(reports.dispatcher, job("w1", replans=[job("w2").plan]))
+    assert (err.value.worker, err.value.code) == ("w2", 500)
+    assert reports.faults() == []
+    assert reports.dispatcher.legs_failed == {("w1", "engine_error"): 1, ("w2", "engine_error"): 1}
+
+
+async def test_a_server_error_with_no_retry_says_nothing_of_its_worker(nc: Client, ns: str, reports: Reports) -> None:
+    """A lone worker (or no time left for a retry): nothing shows whether its engine or the request failed."""
+    await FakeWorker(nc, ns, "w1").serve("decode", fail_with(500, "engine_error"))
+    with pytest.raises(LegError):
+        await collect(reports.dispatcher, job("w1"))
+    assert reports.faults() == [] and reports.dispatcher.legs_failed == {("w1", "engine_error"): 1}
+
+
 # --- end to end ----------------------------------------------------------------------------------
 
 
@@ -153,17 +237,101 @@ async def test_an_engine_failing_every_request_is_left_out_tried_after_its_coold
     assert f'kvswitch_router_worker_legs_failed_total{{kind="engine_error",worker="{bad.id}"}} 3.0' in scraped
 
 
-async def test_a_fleet_whose_only_worker_fails_every_request_still_sends_it_requests(
+async def _left_out_beside(cluster: Cluster, http: aiohttp.ClientSession) -> tuple[Worker, Worker, RouterService]:
+    """A worker whose engine fails every request, left out after its requests were retried on a healthy one."""
+    bad = await cluster.add_worker("agg")
+    fails_poisoned_requests(bad, every=True)
+    good = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    n = 0
+    while router.dispatcher.legs_failed[bad.id, "engine_error"] < ENGINE_FAILING_AFTER:
+        n += 1
+        assert n <= 60, "the failing worker drew no request"
+        status, _, _ = await complete(http, router, list(range(n * 100, n * 100 + 40)), max_tokens=2)
+        assert status == 200
+    listed = {st["worker"]: st["excluded"] for st in router.worker_listing()["worker_status"]}
+    assert listed[bad.id] == "engine_failing"
+    return bad, good, router
+
+
+async def test_a_fleet_whose_only_worker_left_out_as_engine_failing_still_sends_it_requests(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
-    only = await cluster.add_worker("agg")
-    fails_poisoned_requests(only, every=True)
-    router = await cluster.add_ready_router()
+    bad, good, router = await _left_out_beside(cluster, http)
+    good_id = good.id
+    await good.shim.stop()  # its key goes: the failing worker is its model's only one
+    cluster.workers.remove(good)
+    await good.sim.stop()
+    await until(lambda: router.registry.get(good_id) is None, what="the healthy worker's key to go")
+    before = router.dispatcher.legs_failed[bad.id, "engine_error"]
     answers = [await complete(http, router, list(range(k * 100, k * 100 + 40)), max_tokens=2) for k in range(5)]
     listed = {st["worker"]: st["excluded"] for st in router.worker_listing()["worker_status"]}
-    assert listed[only.id] == "engine_failing"
-    assert router.dispatcher.legs_failed[only.id, "engine_error"] == 5  # sent each, excluded or not
+    assert listed[bad.id] == "engine_failing"
+    assert router.dispatcher.legs_failed[bad.id, "engine_error"] == before + 5  # sent each, excluded or not
     # each the engine's own error, not a 503 for want of a worker
     assert all(status >= 500 and status != 503 for status, _, _ in answers), answers
     ready, body = router.readiness()
     assert ready and any("its 1 engine_failing ones" in w for w in body["warnings"]), body["warnings"]
+
+
+async def test_a_lone_worker_whose_requests_all_fail_is_not_left_out(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """With no other worker to retry on, nothing shows whether its engine or the requests failed
+    (vLLM 0.32's 500 for a grammar that fails to compile): counted, not left out, /ready silent."""
+    only = await cluster.add_worker("agg")
+    fails_poisoned_requests(only, every=True)
+    router = await cluster.add_ready_router()
+    answers = [await complete(http, router, list(range(k * 100, k * 100 + 40)), max_tokens=2) for k in range(5)]
+    assert all(status >= 500 and status != 503 for status, _, _ in answers), answers
+    listed = {st["worker"]: st["excluded"] for st in router.worker_listing()["worker_status"]}
+    assert listed[only.id] is None
+    assert router.dispatcher.legs_failed[only.id, "engine_error"] == 5
+    ready, body = router.readiness()
+    assert ready and body["warnings"] == []
+
+
+def poisons_last_token(worker: Worker) -> None:
+    """The engine fails, with vLLM's generic 500, a request whose prompt ends in POISON_LAST (as it
+    fails one whose grammar does not compile), and serves the rest."""
+    adapter = worker.shim.adapter
+    generate = adapter.generate
+
+    async def patched(leg, on_output):  # type: ignore[no-untyped-def]
+        if leg.token_ids and leg.token_ids[-1] == POISON_LAST:
+            raise EngineError(500, "engine_error", "Internal server error")
+        return await generate(leg, on_output)
+
+    adapter.generate = patched  # type: ignore[method-assign]
+
+
+async def test_a_clients_requests_that_fail_on_every_engine_leave_no_worker_out(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """Review of 1f3b368: three such requests sharing a warm prefix left its worker out as
+    engine_failing, and the next sound request lost the prefix; six left out the whole fleet, /ready
+    warning of a build its engines share."""
+    workers = [await cluster.add_worker("agg") for _ in range(3)]
+    for w in workers:
+        poisons_last_token(w)
+    router = await cluster.add_ready_router()
+    prefix = list(range(1000, 1064))  # a shared system prompt, 4 blocks
+    status, _, headers = await complete(http, router, [*prefix, 7], max_tokens=2)
+    assert status == 200
+    warm = headers["x-kvswitch-decode-worker"]
+    hashes = block_hashes(prefix, BLOCK)
+    await until(lambda: router.index.find_matches(hashes).get(warm, 0) == len(hashes), what="kv events")
+    for k in range(3):
+        status, _, headers = await complete(http, router, [*prefix, k + 1, POISON_LAST], max_tokens=2)
+        assert status == 502  # the engine's server error
+    assert router.dispatcher.legs_failed[warm, "engine_error"] == 3  # each tried the warm worker first
+    status, _, headers = await complete(http, router, [*prefix, 9], max_tokens=2)
+    assert status == 200 and headers["x-kvswitch-decode-worker"] == warm
+    for k in range(3, 6):
+        status, _, _ = await complete(http, router, [*range(5000 + k * 100, 5040 + k * 100), POISON_LAST], max_tokens=2)
+        assert status == 502  # the engine's server error
+    assert sum(router.dispatcher.legs_failed.values()) == 12  # each request's two legs
+    listed = {st["worker"]: st["excluded"] for st in router.worker_listing()["worker_status"]}
+    assert listed == {w.id: None for w in workers}
+    ready, body = router.readiness()
+    assert ready and body["warnings"] == []
