@@ -33,7 +33,8 @@ the leg ends with a `final` chunk or an `error` one.
   the client. Its engine's server error (a 5xx but 503) is reported (`on_engine`: three in a row
   leave the worker out) only once the retry generates output, as a prefill leg's is: one the
   request itself caused fails the retry too and costs neither worker anything, and one with no
-  retry (no other worker, no time) says nothing of the worker.
+  retry (no other worker, no time) says nothing of the worker. Every such failure but a failed
+  KV pull (the pair's: router.transfer_health) is counted per worker and kind (`legs_failed`).
 - liveness: every leg asks for a heartbeat every `stream_heartbeat_s`; a leg silent for three of them
   ends (its worker is reported unreachable), so a worker that dies before the first token costs a
   stream at most 3x that. After the first token, silence may be chunks lost on the way (a NATS
@@ -817,7 +818,7 @@ class Dispatcher:
                 self._blame(exc)
                 if exc.engine_failed:
                     job.engine_errors.clear()  # it failed here too: the request's doing, not those workers'
-                if job.first_token_at is None and exc.role != "prefill" and job.transfer is None:
+                if job.first_token_at is None and exc.role != "prefill":
                     self._failed_before_output(job, exc)
                 retry = job.first_token_at is None and exc.retryable and job.attempts == 1
                 retry = retry and not time_up(job.deadline)  # past it, the retry's leg would not be sent
@@ -843,9 +844,11 @@ class Dispatcher:
                 self._free(job)
 
     def _failed_before_output(self, job: Job, exc: LegError) -> None:
-        """A decode or agg leg of `job` failed before its first output (not a pull of a transfer:
-        router.transfer_health's): counted by worker and kind, an engine's own server error held for
-        the request's retry to judge (Job.engine_errors)."""
+        """A decode or agg leg of `job` failed before its first output: counted by worker and kind,
+        an engine's own server error held for the request's retry to judge (Job.engine_errors). Not
+        a failed pull of a transfer (_after_prefill), the pair's (router.transfer_health)."""
+        if job.transfer is not None and exc.engine_failed:
+            return
         kind = _failed_kind(exc)
         if kind is None or not self._registered(exc.worker):
             return

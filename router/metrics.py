@@ -179,7 +179,8 @@ class _StateCollector(Collector):
             "(its engine's server error, 5xx but 503; enough in a row, each retried on another worker that gave "
             "output, leave it out as engine_failing), engine_busy (its engine's 429 or 503), engine_unavailable "
             "(its shim could not reach the engine), unreachable (no responder, silent), malformed (a reply that "
-            "broke the protocol). Each retried once on another worker where one is left",
+            "broke the protocol); not a decode leg's failed KV pull, the pair's. Each retried once on another "
+            "worker where one is left",
             labels=["worker", "kind"],
         )
         for (worker, kind), n in sorted(s.legs_failed.items()):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -36,7 +37,7 @@ from router.load_view import Liveness
 from router.service import RouterService
 from tests.router.conftest import BLOCK, MODEL, Cluster, Worker, complete
 from tests.router.polling import until
-from tests.router.test_dispatch import HB, Books, answer, chunk, collect, job
+from tests.router.test_dispatch import HB, Books, answer, chunk, collect, job, transfer
 from tests.router.test_dispatch import Worker as FakeWorker
 from tests.router.test_prefill_breaker import fails_poisoned_requests
 from worker_shim.adapters.base import EngineError
@@ -191,6 +192,45 @@ async def test_a_server_error_with_no_retry_says_nothing_of_its_worker(nc: Clien
     with pytest.raises(LegError):
         await collect(reports.dispatcher, job("w1"))
     assert reports.faults() == [] and reports.dispatcher.legs_failed == {("w1", "engine_error"): 1}
+
+
+@pytest.mark.parametrize(
+    ("code", "kind", "counted"),
+    [(429, "engine_rejected", "engine_busy"), (503, "engine_unavailable", "engine_unavailable")],
+)
+async def test_a_decode_leg_fed_by_a_transfer_that_fails_otherwise_than_its_pull_is_counted(
+    nc: Client, ns: str, reports: Reports, code: int, kind: str, counted: str
+) -> None:
+    """Before, every failure of a decode leg carrying a transfer handle went uncounted in
+    kvswitch_router_worker_legs_failed_total, not only its failed KV pull."""
+    await FakeWorker(nc, ns, "p1").serve("prefill", transfer)
+    decode = FakeWorker(nc, ns, "d1")
+    await decode.serve("decode", fail_with(code, kind, "engine turned it away"))
+    with pytest.raises(LegError):
+        await collect(reports.dispatcher, job("d1", prefill="p1"))
+    assert decode.requests[0].disagg is not None  # the leg carried the handle
+    assert reports.dispatcher.legs_failed == {("d1", counted): 1} and reports.faults() == []
+
+
+async def test_a_failed_kv_pull_is_neither_counted_nor_a_server_error_of_its_decode_worker(
+    nc: Client, ns: str, reports: Reports
+) -> None:
+    """The pair's (router.transfer_health): the pull judged failed, its decode leg raised with no
+    time left for the local prefill."""
+    await FakeWorker(nc, ns, "p1").serve("prefill", transfer)
+    j = job("d1", prefill="p1")
+
+    async def stall_then_pull_fails(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        j.deadline = time.monotonic() - 2.0  # no time for the fallback's leg
+        await chunk(
+            nc, msg, req, 0, final=True, error=ErrorInfo(code=500, kind="engine_error", message="KV load failed")
+        )
+
+    await FakeWorker(nc, ns, "d1").serve("decode", stall_then_pull_fails)
+    with pytest.raises(LegError):
+        await collect(reports.dispatcher, j)
+    assert reports.pulls == [("d1", "p1", False)]
+    assert reports.dispatcher.legs_failed == {} and reports.faults() == []
 
 
 # --- end to end ----------------------------------------------------------------------------------
