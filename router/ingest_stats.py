@@ -45,7 +45,7 @@ class IngestStats:
     unknown_held: int = 0  # batches waiting for their worker to register
     dropped_overflow: int = 0  # held batches dropped past a worker's bound or the shared byte budget
     dropped_impossible: int = 0  # held batches a repair reply showed the shim never sent
-    dropped_stale_session: int = 0  # batches held before their worker registered, of another epoch than its record's
+    dropped_stale_session: int = 0  # batches held before their worker registered, of an earlier session's epoch
     digest_mismatches: int = 0  # load-report digests that disagreed with the index at the same seq
     digest_unfixed: int = 0  # workers whose digest disagreed right after a dump taken for it, until it agrees
     digest_lags: int = 0  # load-report digests that stayed ahead of the index: lost last batches

@@ -69,10 +69,15 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   whenever a registered worker's batch would not fit the shared byte budget, so stale ones never
   keep it from a worker under repair. Workers are only ever added by the registry, never by
   a batch, so a worker whose key is gone cannot be resurrected by its last events in flight.
-  As a worker registers, its held batches past the TTL go first, then those of another epoch than
-  its record's: an earlier session's (a stopping shim's last Cleared comes after its key's
-  delete), dropped at DEBUG and counted, as no repair can show them forged. Until 2026-12-07 the
-  bootstrap dropped them as forged: an ERROR on every restart under a fixed --worker-name.
+  As a worker registers, its held batches past the TTL go first, then those of an epoch its name
+  had when it last left (remembered for ENDED_S, the last ENDED_MAX names): an earlier session's
+  (a stopping shim's last Cleared comes after its key's delete), dropped at DEBUG and counted, as
+  no repair can show them forged. Until 2026-12-07 the bootstrap dropped them as forged: an ERROR
+  on every restart under a fixed --worker-name. Those of any other epoch go to the bootstrap,
+  which drops them as forged (an ERROR); only where the name left nothing remembered and the batch
+  came before this router had heard the fleet (`fleet_listed`), or as the memory overflowed, they
+  too are dropped at DEBUG: its session may have ended unseen. (The review of bc70a4c: every
+  batch of another epoch held before its worker registered was dropped so, a forged one too.)
 - A sender past its budget (router.sender_budget: batches and bytes a second, with bursts; the
   router's --kv-budget-* flags) has the rest dropped before decoding, counted for it, and its
   subject left unheard for a while (router.sender_subscriptions: one subscription per registered
@@ -112,7 +117,7 @@ import functools
 import logging
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -170,6 +175,15 @@ Skipped = Mapping[str, int]
 """A batch's events of types this router does not know, left out of it: how many of each type."""
 _NONE_SKIPPED: Skipped = MappingProxyType({})
 _Held = tuple[int, KvEventBatch, Skipped]  # a batch held for a repair: (arrival no., it, its Skipped)
+# How long, and for how many names, the epochs of a worker that left are remembered: its earlier
+# session's last batches, held as it registers again, are dropped quietly, not as forged.
+ENDED_S = 600.0
+ENDED_MAX = 1024
+
+
+class _Ended(NamedTuple):
+    at: float  # when it left
+    epochs: frozenset[int]  # its record's and its index's
 
 
 class _Behind(NamedTuple):
@@ -387,6 +401,10 @@ class KvIngest:
         self._unsynced: set[str] = set()  # workers bootstrapping or repairing: `synced` in O(1)
         # batches of workers with no record: (arrival time, size, batch, its events of unknown types)
         self._unknown: dict[str, deque[tuple[float, int, KvEventBatch, Skipped]]] = {}
+        self._ended: OrderedDict[str, _Ended] = OrderedDict()  # workers that left, by name, oldest first
+        # Batches of a name with nothing in _ended that came before this are not judged forged as it
+        # registers: an earlier session may have ended before this router heard the fleet, or been forgotten
+        self._heard_from = math.inf
         # Kinds of malformed (or newer) input logged, per registered worker (forgotten when it
         # leaves: a worker back under its name is logged again) and, bounded, per sender with none
         self._said = FirstSaid(self._workers.__contains__, clock=clock)
@@ -421,6 +439,12 @@ class KvIngest:
 
     # --- the worker set (driven by the registry) -------------------------------------------------
 
+    def fleet_listed(self) -> None:
+        """The registry has applied its first listing of the workers: a worker that leaves from now
+        on is remembered, so a batch of another epoch held for a name that left nothing is forged."""
+        if self._heard_from == math.inf:
+            self._heard_from = self._clock()
+
     def add_worker(self, worker: str, epoch: int, kv_total_blocks: int | None = None) -> None:
         """`worker` registered (or its record changed): bootstrap it if new, resync on a new epoch.
         `kv_total_blocks` (its record's) bounds its index entries."""
@@ -440,16 +464,21 @@ class KvIngest:
         self._unsynced.add(worker)
         self.stats.workers[worker] = sync
         now = self._clock()
+        ended = self._ended.pop(worker, None)
+        if ended is not None and now - ended.at > ENDED_S:
+            ended = None
         stale: list[KvEventBatch] = []
         for arrived, size, batch, skipped in self._unknown.pop(worker, ()):
             self._held_total -= size
             self.stats.unknown_held -= 1
             if now - arrived > self._unknown_ttl_s:  # expired, unseen: expiry runs only as others come
                 self.stats.dropped_unknown += 1
-            elif batch.epoch == epoch:
-                self._hold(state, batch, skipped)
-            else:  # sent before this registration: no repair can show it forged
+            elif batch.epoch != epoch and (
+                batch.epoch in ended.epochs if ended is not None else arrived < self._heard_from
+            ):  # an earlier session's, sent before this registration: no repair can show it forged
                 stale.append(batch)
+            else:  # this session's, or forged: the bootstrap judges it
+                self._hold(state, batch, skipped)
         if stale:
             self._dropped_stale(worker, epoch, stale)
         self._synced.clear()
@@ -458,9 +487,10 @@ class KvIngest:
             self.repairs.ensure(worker)
 
     def _dropped_stale(self, worker: str, epoch: int, stale: list[KvEventBatch]) -> None:
-        """Batches of `worker` held before it registered, of another epoch than its record's: an
-        earlier session's (a stopping shim's last Cleared comes after its key's delete; a crashed
-        shim's last batches). Until 2026-12-07 they went to the new registration's repair, which
+        """Batches of `worker` held before it registered, of an epoch its name had as it left (or
+        of another than its record's, where it left nothing remembered: add_worker): an earlier
+        session's (a stopping shim's last Cleared comes after its key's delete; a crashed shim's
+        last batches). Until 2026-12-07 they went to the new registration's repair, which
         dropped them as forged with an ERROR on every restart under a fixed --worker-name."""
         self.stats.dropped_stale_session += len(stale)
         log.debug(
@@ -476,6 +506,7 @@ class KvIngest:
         """`worker` left: its entries go at once and its repair, if any, stops."""
         state = self._workers.pop(worker, None)
         if state is not None:
+            self._remember(state)
             self._set_held(state, [])
             if state.digest_unfixed:
                 self.stats.digest_unfixed -= 1
@@ -497,6 +528,18 @@ class KvIngest:
             del self._refused[oldest]
             self.repairs.ensure(oldest)
         self._refresh_synced()
+
+    def _remember(self, state: _Worker) -> None:
+        """The epochs `state`'s worker had as it left, for its name's return (add_worker)."""
+        now, ended = self._clock(), self._ended
+        epochs = {state.registered_epoch} | ({state.sync.epoch} if state.sync.epoch is not None else set())
+        ended[state.name] = _Ended(now, frozenset(epochs))
+        ended.move_to_end(state.name)
+        while now - next(iter(ended.values())).at > ENDED_S:  # the one just left stays
+            ended.popitem(last=False)
+        if len(ended) > ENDED_MAX:  # forgotten while its last batches may still come: none judged forged
+            ended.popitem(last=False)
+            self._heard_from = max(self._heard_from, now + self._unknown_ttl_s)
 
     # --- readiness -------------------------------------------------------------------------------
 

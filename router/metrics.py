@@ -412,7 +412,8 @@ def _ingest_counters(s: IngestStats) -> Iterator[Metric]:
         "KV batches dropped unapplied: of a worker not registered within unknown_ttl_s, or past the bounds on "
         "such batches (unknown); held during a repair past a worker's bound or the shared byte budget, a full dump "
         "catching up (overflow); held ones a repair reply showed the shim never sent (impossible); held before "
-        "their worker registered, of another epoch than its record's: an earlier session's (stale_session)",
+        "their worker registered, of an epoch its name had when it last left, or of any other where the router may "
+        "have missed that session: an earlier session's (stale_session)",
         labels=["reason"],
     )
     dropped.add_metric(["unknown"], s.dropped_unknown)

@@ -1165,6 +1165,7 @@ class RouterService:
         while not await self.registry.wait_ready(3600.0):
             pass
         self._registry_ready = True
+        self.ingest.fleet_listed()  # a worker leaving from now on is one it knew (router.kv_ingest)
 
     def _on_worker_add(self, info: WorkerInfo) -> None:
         self.fingerprints.check(info)

@@ -11,10 +11,12 @@ import logging
 from typing import Any
 
 import aiohttp
+import nats
 import pytest
 
 from protocol import subjects
 from protocol.config import EtcdSettings, NatsSettings
+from protocol.messages import Cleared, KvEventBatch, Stored, encode_msg
 from router.service import RouterService
 from tests.router.conftest import Cluster, Worker, complete
 from tests.router.polling import until
@@ -86,3 +88,32 @@ async def test_a_shim_back_under_its_worker_name_is_no_forgery(
     assert caplog.records == []
     status, _, headers = await complete(http, router, list(range(200)))
     assert status == 200 and headers["x-kvswitch-decode-worker"] == NAME
+
+
+async def test_a_forged_batch_held_before_a_new_name_registers_is_an_error(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The review of bc70a4c: every batch of another epoch held before its worker registered was
+    dropped as an earlier session's, at DEBUG, a forged one too. A ready router has heard the fleet:
+    a name that never left has no earlier session, and a batch its shim never sent is an ERROR."""
+    caplog.set_level(logging.ERROR, logger="router.kv_ingest")
+    await cluster.add_worker("agg", shim={"worker_name": NAME})
+    router = await cluster.add_ready_router(disagg="never")
+    forger = await nats.connect(cluster.nats_url)
+    register = WorkerShim._register
+
+    async def forged_first(shim: WorkerShim) -> str | None:  # held as the key is put, well within the TTL
+        if router.ingest.stats.unknown_held == 0:
+            forged = KvEventBatch(worker="w-1", epoch=1, seq=1, ts=0.0, events=[Cleared(), Stored(hashes=[66])])
+            await forger.publish(subjects.kv(cluster.ns, "w-1"), encode_msg(forged))
+            await until(lambda: router.ingest.stats.unknown_held >= 1, what="the forged batch held")
+        return await register(shim)
+
+    monkeypatch.setattr(WorkerShim, "_register", forged_first)
+    try:
+        await cluster.add_worker("agg", shim={"worker_name": "w-1"})
+        await until(lambda: router.ingest.stats.dropped_impossible == 1, what="the forged batch judged")
+    finally:
+        await forger.close()
+    assert router.ingest.stats.dropped_stale_session == 0
+    assert ["w-1" in r.getMessage() and "never sent" in r.getMessage() for r in caplog.records] == [True]

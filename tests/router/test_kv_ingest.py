@@ -35,7 +35,7 @@ from protocol.messages import (
 )
 from router.block_index import BlockIndex
 from router.ingest_stats import SyncState
-from router.kv_ingest import KvIngest
+from router.kv_ingest import ENDED_MAX, ENDED_S, KvIngest
 from router.lifecycle import PartStatus
 from router.pending_prefixes import PendingPrefixes
 from router.sender_budget import SenderBudget
@@ -597,6 +597,113 @@ async def test_an_earlier_sessions_batch_past_the_ttl_when_the_name_registers_ag
         assert caplog.records == []
     finally:
         await ingest.stop()
+
+
+async def _forge_held(nc: Client, ns: str, ingest: KvIngest, epoch: int) -> None:
+    """A batch `a1`'s shim never sent, of `epoch`, held for a worker with no record."""
+    held = ingest.stats.unknown_held
+    forged = KvEventBatch(worker="a1", epoch=epoch, seq=1, ts=0.0, events=[Cleared(), Stored(hashes=[66])])
+    await nc.publish(subjects.kv(ns, "a1"), encode_msg(forged))
+    await until(lambda: ingest.stats.unknown_held == held + 1, what="the forged batch held")
+
+
+def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_forged_batch_held_before_a_name_never_seen_registers_is_an_error(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The review of bc70a4c: every batch of another epoch held before its worker registered was
+    dropped as an earlier session's, at DEBUG, a forged one too. A name that never left while this
+    router heard the fleet had no earlier session it could have missed."""
+    ingest.fleet_listed()
+    await _forge_held(nc, ns, ingest, shim.epoch ^ 1)
+    with caplog.at_level(logging.ERROR, logger="router.kv_ingest"):
+        await synced_with(ingest, shim)
+        await until(lambda: ingest.stats.dropped_impossible == 1)
+    assert ingest.stats.dropped_stale_session == 0
+    (line,) = _errors(caplog)
+    assert "a1" in line and "never sent" in line
+    assert ingest.index.dump() == shim.expected() == {}
+
+
+async def test_a_forged_batch_held_as_a_name_returns_of_an_epoch_it_never_had_is_an_error(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the epochs the name had as it left are an earlier session's; the router remembers them."""
+    await _left_with_its_last_batch_held(ingest, shim)
+    old = shim.epoch
+    shim.restart()
+    await _forge_held(nc, ns, ingest, old ^ shim.epoch ^ 1)
+    with caplog.at_level(logging.ERROR, logger="router.kv_ingest"):
+        await synced_with(ingest, shim)
+        await until(lambda: ingest.stats.dropped_impossible == 1)
+    assert ingest.stats.dropped_stale_session == 1  # the old session's last Cleared, quietly
+    (line,) = _errors(caplog)
+    assert "a1" in line and "never sent" in line
+
+
+async def test_a_batch_held_before_the_router_heard_the_fleet_is_dropped_quietly(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A router started after the name's earlier session ended knows none of its epochs: a batch of
+    another epoch that came before its registry's first listing may be that session's last."""
+    await _forge_held(nc, ns, ingest, shim.epoch ^ 1)
+    ingest.fleet_listed()
+    with caplog.at_level(logging.WARNING, logger="router.kv_ingest"):
+        await synced_with(ingest, shim)
+    assert (ingest.stats.dropped_stale_session, ingest.stats.dropped_impossible) == (1, 0)
+    assert caplog.records == []
+
+
+async def test_a_names_epochs_are_remembered_for_ended_s(nc: Client, ns: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Past ENDED_S a batch of the epoch a name left with is no longer taken for that session's last."""
+    clock = Clock()
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, clock=clock)
+    await ingest.start()
+    try:
+        shim = FakeShim(nc, ns, "a1")
+        await shim.start()
+        ingest.fleet_listed()
+        await synced_with(ingest, shim)
+        ingest.remove_worker("a1")
+        clock.now = ENDED_S - 1
+        await _forge_held(nc, ns, ingest, shim.epoch)
+        shim.restart()
+        await synced_with(ingest, shim)
+        assert (ingest.stats.dropped_stale_session, ingest.stats.dropped_impossible) == (1, 0)
+        old = shim.epoch
+        ingest.remove_worker("a1")
+        clock.now += ENDED_S + 1
+        await _forge_held(nc, ns, ingest, old)
+        shim.restart()
+        with caplog.at_level(logging.ERROR, logger="router.kv_ingest"):
+            await synced_with(ingest, shim)
+            await until(lambda: ingest.stats.dropped_impossible == 1)
+        assert ingest.stats.dropped_stale_session == 1
+        assert len(_errors(caplog)) == 1
+    finally:
+        await ingest.stop()
+
+
+async def test_names_forgotten_past_the_bound_leave_their_last_batches_unjudged(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The oldest name goes once ENDED_MAX are remembered; its session's last batches may still be
+    on their way, so for unknown_ttl_s no held batch of a name with none remembered is judged forged."""
+    ingest.fleet_listed()
+    await synced_with(ingest, shim)
+    ingest.remove_worker("a1")  # the oldest, forgotten below
+    for n in range(ENDED_MAX):
+        ingest.add_worker(f"w{n}", n)
+        ingest.remove_worker(f"w{n}")
+    await _forge_held(nc, ns, ingest, shim.epoch)
+    shim.restart()
+    with caplog.at_level(logging.WARNING, logger="router.kv_ingest"):
+        await synced_with(ingest, shim)
+    assert (ingest.stats.dropped_stale_session, ingest.stats.dropped_impossible) == (1, 0)
+    assert caplog.records == []
 
 
 async def test_stop_is_idempotent_and_cancels_repairs(nc: Client, ns: str, shim: FakeShim) -> None:
