@@ -859,6 +859,8 @@ class Dispatcher:
     def _served_despite(self, job: Job) -> None:
         """A leg generated output for `job`: the server errors its earlier legs met were their engines'."""
         for worker, fault, role in job.engine_errors:
+            if not self._registered(worker):
+                continue  # it left meanwhile: its state went with it, one back under its name starts clean
             if role == "prefill":
                 self._on_prefill(worker, fault, False)
             else:
@@ -1234,7 +1236,10 @@ class Dispatcher:
         if not plan.decode.info.local_prefill:
             raise self._no_local_prefill(job, plan, exc)
         if fault is not None and exc.engine_failed:
-            job.engine_errors.append((worker, fault[0], "prefill"))  # judged by the fallback (_decode, run)
+            # Judged by the fallback (_decode, run). The latest prefill leg's only: a request's second
+            # prefill 5xx (its retry's) puts down neither its first nor the same worker twice.
+            job.engine_errors[:] = [held for held in job.engine_errors if held[2] != "prefill"]
+            job.engine_errors.append((worker, fault[0], "prefill"))
         if not exc.malformed:  # that one is logged once per worker (_blame), not per request
             log.warning(
                 "request %s: remote prefill failed (%s); falling back to local prefill on %s",

@@ -1197,7 +1197,7 @@ class RouterService:
         return self.planner.disagg.transfers.pulling(decode, prefill)
 
     def _on_prefill(self, worker: str, fault: str | None, serves_whole: bool) -> None:
-        if self._registered(worker):  # a blame held until the fallback served may outlive the worker
+        if self._registered(worker):  # its leg may end after it left (a held blame: Dispatcher._served_despite)
             self.eligibility.prefill_leg(worker, fault, serves_whole)
 
     def _on_worker_remove(self, worker: str) -> None:

@@ -141,11 +141,15 @@ class Reports:
 
     def __init__(self, nc: Client, ns: str) -> None:
         self.engine: list[tuple[str, str | None]] = []
+        self.prefill: list[tuple[str, str | None]] = []
         self.pulls: list[tuple[str, str, bool]] = []
+        self.gone: set[str] = set()  # workers whose keys went
         self.dispatcher = Dispatcher(
             nc, ns, Books(), settings=lambda: RouterSettings(stream_heartbeat_s=HB),
             on_engine=lambda worker, fault: self.engine.append((worker, fault)),
+            on_prefill=lambda worker, fault, whole: self.prefill.append((worker, fault)),
             on_transfer=lambda decode, prefill, ok: self.pulls.append((decode, prefill, ok)),
+            registered=lambda worker: worker not in self.gone,
         )  # fmt: skip
 
     def faults(self) -> list[tuple[str, str | None]]:
@@ -192,6 +196,39 @@ async def test_a_server_error_with_no_retry_says_nothing_of_its_worker(nc: Clien
     with pytest.raises(LegError):
         await collect(reports.dispatcher, job("w1"))
     assert reports.faults() == [] and reports.dispatcher.legs_failed == {("w1", "engine_error"): 1}
+
+
+async def test_a_server_error_held_for_the_retry_is_not_reported_once_its_worker_left(
+    nc: Client, ns: str, reports: Reports
+) -> None:
+    """Before (review of 84a1cd2), it was reported when the retry served: engine_failing kept a
+    streak for a name whose state had gone with it, so one back under that name started with it."""
+    await FakeWorker(nc, ns, "w1").serve("decode", fail_with(500, "engine_error"))
+
+    async def w1_leaves_then_answer(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        reports.gone.add("w1")  # its key goes while the retry prefills
+        await answer(nc, msg, req)
+
+    await FakeWorker(nc, ns, "w2").serve("decode", w1_leaves_then_answer)
+    chunks = await collect(reports.dispatcher, job("w1", replans=[job("w2").plan]))
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert reports.dispatcher.legs_failed == {("w1", "engine_error"): 1} and reports.faults() == []
+
+
+async def test_a_prefill_server_error_is_put_down_to_the_latest_prefill_leg_only(
+    nc: Client, ns: str, reports: Reports
+) -> None:
+    """Both attempts' prefill legs fail with a 5xx, the retry's fallback serves: only the retry's
+    prefill worker is reported, as before 84a1cd2 (which reported both, p1 left out for a 5xx the
+    request also met on p2)."""
+    for name in ("p1", "p2"):
+        await FakeWorker(nc, ns, name).serve("prefill", fail_with(500, "engine_error"))
+    await FakeWorker(nc, ns, "d1").serve("decode", fail_with(429, "engine_rejected", "busy"))
+    await FakeWorker(nc, ns, "d2").serve("decode", answer)
+    chunks = await collect(reports.dispatcher, job("d1", prefill="p1", replans=[job("d2", prefill="p2").plan]))
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert [w for w, fault in reports.prefill if fault is not None] == ["p2"]
+    assert reports.faults() == []
 
 
 @pytest.mark.parametrize(
