@@ -5,7 +5,9 @@ a traceback and a 21,269-character line at each load poll)."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -174,3 +176,43 @@ async def test_an_engine_that_refuses_connections_is_no_wrong_engine_url() -> No
         sock.bind(("127.0.0.1", 0))
         health, wrong = await _misdirected("vllm", f"http://127.0.0.1:{sock.getsockname()[1]}/v1")
     assert health is EngineHealth.DOWN and wrong is None
+
+
+async def test_a_lost_late_health_probe_leaves_the_late_answers_of_the_next_ones_counted() -> None:
+    """A busy engine answers every /health 2.5 s late, past the 2 s probe, but the first probe's
+    request is lost (a silently dead connection). Until 2026-12-07 that probe, left to run on past
+    its timeout with no read limit, hung until TCP gave up, and every newer late probe was cancelled
+    meanwhile: no answer counted (`answered_at` stayed None over 6 probes), and the stall watchdog
+    took the answering engine for frozen. The late probe ends half the stall limit past its timeout;
+    the next one takes its place."""
+    lost = asyncio.Event()
+    requests = 0
+
+    async def health(_request: web.Request) -> web.Response:
+        nonlocal requests
+        requests += 1
+        if requests == 1:
+            await lost.wait()  # never answered while the test runs
+            return web.Response(text="ok")
+        await asyncio.sleep(2.5)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    async with served(app) as url:
+        adapter = make_adapter(ShimConfig(engine="vllm", engine_url=url, model="m", stall_limit_s=2.0))
+        await adapter.open()
+        seen: list[float | None] = []
+        try:
+            since = time.monotonic()
+            for _ in range(4):  # each BUSY after 2 s, the next 0.5 s on: sent at 0, 2.5, 5, 7.5 s
+                assert await adapter.health() is EngineHealth.BUSY
+                seen.append(None if adapter.answered_at is None else adapter.answered_at - since)
+                await asyncio.sleep(0.5)
+        finally:
+            lost.set()
+            await adapter.close()
+    # the lost probe ends at 3 s; the second (sent at 2.5 s) is then the late one, answered at 5 s,
+    # the third at 7.5 s: each late answer after the lost one counts
+    answers = sorted({at for at in seen if at is not None})
+    assert len(answers) == 2 and 4.5 < answers[0] < answers[1], seen

@@ -3,8 +3,9 @@ probe and short GETs of its status endpoints, mapped to EngineError.
 
 The session has no connection limit: streams of concurrent requests must not queue behind each
 other (the request service bounds the legs in flight by the open-file limit instead). Status reads
-and the health probe get a short total timeout (one health probe past it runs on, so that a late
-answer still shows the engine alive: `answered_at`, the stall watchdog's); generation calls get
+and the health probe get a short total timeout (one health probe past it runs on, for up to half
+the stall limit more, so that a late answer still shows the engine alive: `answered_at`, the stall
+watchdog's); generation calls get
 none (only a connect timeout), as a long generation is not a fault. A probe the shim cannot make
 for want of a file descriptor (EMFILE, ENFILE) is the shim's fault: it says nothing of the engine.
 Such an episode that lasts `busy_limit_s` makes the probe say DOWN: the shim cannot serve, and the
@@ -87,6 +88,9 @@ class HttpEngineAdapter(EngineAdapter):
         self._fds_down = False  # that went on past busy_limit_s: DOWN (logged once)
         self._health_status: int | None = None  # the HTTP status of the last probe answered
         self._late: asyncio.Task[int] | None = None  # a health probe left to finish past its timeout
+        # ... within this: while it runs newer late probes are cancelled, so one whose request was lost
+        # (a silently dead connection) must end well within the stall limit for theirs to count.
+        self._late_limit = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S + config.stall_limit_s / 2)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -112,7 +116,8 @@ class HttpEngineAdapter(EngineAdapter):
         the last probe's answer, with an ERROR: the engine is not to blame. Past busy_limit_s of
         that it is DOWN: the shim's legs fail too, and an engine that died meanwhile goes unseen.
         A probe unanswered within PROBE_TIMEOUT is BUSY, and one such probe at a time is left to
-        finish (`answered_at`): a loaded engine answers late, a frozen one never."""
+        finish, for up to half the stall limit more (`answered_at`): a loaded engine answers late,
+        a frozen one never."""
         probe = asyncio.create_task(self._probe_health())
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
@@ -133,7 +138,7 @@ class HttpEngineAdapter(EngineAdapter):
         return health
 
     async def _probe_health(self) -> int:
-        async with self.session.get(self.base + "/health") as resp:
+        async with self.session.get(self.base + "/health", timeout=self._late_limit) as resp:
             self.answered_at = time.monotonic()
             await resp.read()  # read to the end so the connection is reused
             return resp.status
