@@ -9,10 +9,11 @@ fresh load readings is hung: the shim ends its legs and keeps it deregistered un
 STALE_MIN_S), no work to judge, or an engine that holds its load reading while it runs iterations
 start the count again. An engine that answers nothing at all, neither /health nor /metrics
 (any HTTP status is an answer), while legs are in flight is frozen or cut off: its silence for
-`stall_limit_s`, from its last answer or the last output of a leg, is taken for a hang too, stale
-readings or not (until 2026-12-07 a SIGSTOPped engine with only non-streamed legs on it was never
-judged, and they waited out the router's --request-timeout). A stall of the shim's own is no
-silence of the engine's: it is not counted.
+`stall_limit_s` (time spent waiting on it since its last answer, or since the last output of a
+leg; a pause in which the shim asks nothing is none) is taken for a hang too, stale readings or
+not (until 2026-12-07 a SIGSTOPped engine with only non-streamed legs on it was never judged, and
+they waited out the router's --request-timeout). A stall of the shim's own is no silence of the
+engine's: it is not counted.
 
 The shim's, not a session's: legs left running when a session ends on a busy or down engine stay
 watched while the shim waits for it and in the next session. The shim owns the load readings and
@@ -174,9 +175,11 @@ class StallWatchdog:
 
     def _silent_s(self, now: float) -> float:
         """How long the engine has answered nothing (neither /health nor /metrics) while legs are in
-        flight, less the shim's own stalls: since its last answer, or a leg's last output; 0 with no
-        leg in flight (nothing to end: the health checks judge it) or no answer ever. A /metrics
-        answer held (TensorRT-LLM's, iterations running) is no answer: a frozen engine holds it too."""
+        flight, less the shim's own stalls: the time it left a question in flight unanswered since
+        its last answer (EngineSilence: a pause in which the shim asks nothing is not its silence),
+        or since a leg's last output; 0 with no leg in flight (nothing to end: the health checks
+        judge it) or no answer ever. A /metrics answer held (TensorRT-LLM's, iterations running) is
+        no answer: a frozen engine holds it too."""
         requests = self._requests()
         legs = requests.inflight if requests is not None else {}
         output = Progress(
@@ -188,10 +191,10 @@ class StallWatchdog:
         if self._output is not None and output.moved_since(self._output):
             self._output_at = now
         self._output = output
-        answered_at = self._adapter().answered_at
-        if not legs or answered_at is None:
+        silence = self._adapter().silence
+        if not legs or silence.answered_at is None:
             return 0.0
-        silent_s = now - max(answered_at, self._output_at)
+        silent_s = min(silence.silent_s(now), now - self._output_at)
         return silent_s - self._own_stall(silent_s)
 
     def _legs(self) -> int:

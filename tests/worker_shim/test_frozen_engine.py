@@ -15,10 +15,13 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import cast
 
 import aiohttp
 import nats
 import pytest
+from aiohttp import web
 from nats.aio.msg import Msg
 
 from engine_sim.server import SimServer
@@ -27,9 +30,13 @@ from protocol import GenerateRequest, ResponseChunk, SamplingParams, decode_msg,
 from protocol.config import EtcdSettings, NatsSettings
 from runtime.nats_flush import flush
 from tests.runtime.frozen import frozen, stopped
-from tests.worker_shim.cluster import shim_for, sim_config, wait_for
+from tests.worker_shim.cluster import served, shim_for, sim_config, wait_for
 from tests.worker_shim.test_silent_failures import FaultyProxy
 from worker_shim import ShimConfig, WorkerShim
+from worker_shim.adapters import EngineError, EngineHealth, make_adapter
+from worker_shim.adapters.http_engine import HttpEngineAdapter
+from worker_shim.request_service import RequestService
+from worker_shim.stall_watchdog import StallWatchdog
 
 LEGS = 3
 
@@ -191,3 +198,46 @@ async def test_non_streamed_legs_on_an_engine_answering_health_and_metrics_late_
                     assert "answered neither" not in caplog.text and "made no progress" not in caplog.text
         finally:
             await nc.close()
+
+
+async def test_a_pause_in_which_the_shim_asks_nothing_is_no_silence_of_an_engine_answering_late() -> None:
+    """A loaded engine answers /health and /metrics 5 s late (past the 2 s probe and read), with a
+    leg in flight; then the shim asks it nothing for longer than the stall limit (resting up to 30 s
+    after failed sessions, or waiting for its events to go live), and looks again after a BUSY
+    probe and a missed /metrics read. Until 2026-12-07 silence ran from the last answer, the pause
+    included: the engine was taken for frozen and its legs ended. Silence is the time spent waiting
+    on the engine: the 4 s of those two questions (the probe's late answer comes after them)."""
+    stall_limit_s, late_s = 8.0, 5.0  # a late probe runs on for 2 + 4 s: the late /health answer counts
+
+    async def late(_request: web.Request) -> web.Response:
+        await asyncio.sleep(late_s)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", late)
+    app.router.add_get("/metrics", late)
+    async with served(app) as url:
+        adapter = make_adapter(ShimConfig(engine="vllm", engine_url=url, model="m", stall_limit_s=stall_limit_s))
+        assert isinstance(adapter, HttpEngineAdapter)
+        requests = SimpleNamespace(inflight={"leg": SimpleNamespace(writer=None)}, completed=0)  # non-streamed
+        watchdog = StallWatchdog(
+            lambda: cast(RequestService, requests),
+            lambda: adapter,
+            stall_limit_s=stall_limit_s,
+            health_interval_s=1.0,
+            engine_url=url,
+            own_stall=lambda _s: 0.0,
+        )
+        await adapter.open()
+        try:
+            assert await adapter.health() is EngineHealth.BUSY
+            await wait_for(lambda: adapter.silence.answered_at is not None, what="the late answer")
+            assert watchdog.look(time.monotonic(), None, None, None) is None
+            await asyncio.sleep(stall_limit_s + 1)  # the shim asks nothing
+            assert await adapter.health() is EngineHealth.BUSY
+            with pytest.raises(EngineError):
+                await adapter.fetch("/metrics")
+            assert watchdog.look(time.monotonic(), None, None, None) is None, "the legs were cut"
+            assert watchdog.stalled is None
+        finally:
+            await adapter.close()

@@ -207,7 +207,8 @@ async def test_a_lost_late_health_probe_leaves_the_late_answers_of_the_next_ones
             since = time.monotonic()
             for _ in range(4):  # each BUSY after 2 s, the next 0.5 s on: sent at 0, 2.5, 5, 7.5 s
                 assert await adapter.health() is EngineHealth.BUSY
-                seen.append(None if adapter.answered_at is None else adapter.answered_at - since)
+                answered_at = adapter.silence.answered_at
+                seen.append(None if answered_at is None else answered_at - since)
                 await asyncio.sleep(0.5)
         finally:
             lost.set()

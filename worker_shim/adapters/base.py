@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from protocol import ConfigError, SamplingParams, Usage
+from worker_shim.adapters.silence import EngineSilence
 from worker_shim.config import ShimConfig
 from worker_shim.engine_events import EventSink
 from worker_shim.event_health import EventHealth
@@ -245,10 +246,10 @@ class EngineAdapter(ABC):
         # Prefill legs whose handle went to their decode peer, by request id: the engine waits for
         # that peer (SGLang's bootstrap queue) until it answers, which shows no step either.
         self.waiting_peer: set[str] = set()
-        # When the engine last answered a probe or a status read (any HTTP status; time.monotonic()),
-        # None before it ever did: an engine silent this long with legs in flight is frozen or cut
-        # off (the stall watchdog's count), where a busy one still answers one or the other.
-        self.answered_at: float | None = None
+        # How long the engine has left its probes and status reads unanswered (any HTTP status is an
+        # answer): one silent this long with legs in flight is frozen or cut off (the stall
+        # watchdog's count), where a busy one still answers one or the other.
+        self.silence = EngineSilence()
 
     @contextlib.contextmanager
     def watch_pull(self, leg: LegRequest, on_output: OnOutput) -> Iterator[OnOutput]:

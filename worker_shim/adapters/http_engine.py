@@ -4,7 +4,7 @@ probe and short GETs of its status endpoints, mapped to EngineError.
 The session has no connection limit: streams of concurrent requests must not queue behind each
 other (the request service bounds the legs in flight by the open-file limit instead). Status reads
 and the health probe get a short total timeout (one health probe past it runs on, for up to half
-the stall limit more, so that a late answer still shows the engine alive: `answered_at`, the stall
+the stall limit more, so that a late answer still shows the engine alive: `silence`, the stall
 watchdog's); generation calls get
 none (only a connect timeout), as a long generation is not a fault. A probe the shim cannot make
 for want of a file descriptor (EMFILE, ENFILE) is the shim's fault: it says nothing of the engine.
@@ -116,8 +116,8 @@ class HttpEngineAdapter(EngineAdapter):
         the last probe's answer, with an ERROR: the engine is not to blame. Past busy_limit_s of
         that it is DOWN: the shim's legs fail too, and an engine that died meanwhile goes unseen.
         A probe unanswered within PROBE_TIMEOUT is BUSY, and one such probe at a time is left to
-        finish, for up to half the stall limit more (`answered_at`): a loaded engine answers late,
-        a frozen one never."""
+        finish, for up to half the stall limit more: a loaded engine answers late, a frozen one
+        never (`silence`)."""
         probe = asyncio.create_task(self._probe_health())
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
@@ -138,10 +138,11 @@ class HttpEngineAdapter(EngineAdapter):
         return health
 
     async def _probe_health(self) -> int:
-        async with self.session.get(self.base + "/health", timeout=self._late_limit) as resp:
-            self.answered_at = time.monotonic()
-            await resp.read()  # read to the end so the connection is reused
-            return resp.status
+        with self.silence.asking():
+            async with self.session.get(self.base + "/health", timeout=self._late_limit) as resp:
+                self.silence.answered()
+                await resp.read()  # read to the end so the connection is reused
+                return resp.status
 
     def _leave_late(self, probe: asyncio.Task[int]) -> None:
         """`probe`, past its timeout, runs on unless one left before still does; its end is nobody's."""
@@ -223,11 +224,12 @@ class HttpEngineAdapter(EngineAdapter):
     async def fetch(self, path: str, method: str = "GET", timeout: aiohttp.ClientTimeout = PROBE_TIMEOUT) -> bytes:
         """The body of a 200 answer from `path`; EngineError for any other status or no answer."""
         try:
-            async with self.session.request(method, self.base + path, timeout=timeout) as resp:
-                self.answered_at = time.monotonic()
-                if resp.status != 200:
-                    raise EngineError(resp.status, "engine_error", f"{self.base}{path} answered {resp.status}")
-                return await resp.read()
+            with self.silence.asking():
+                async with self.session.request(method, self.base + path, timeout=timeout) as resp:
+                    self.silence.answered()
+                    if resp.status != 200:
+                        raise EngineError(resp.status, "engine_error", f"{self.base}{path} answered {resp.status}")
+                    return await resp.read()
         except NETWORK_ERRORS as exc:
             raise EngineError(503, "engine_unavailable", essence(exc, self.base + path)) from exc
 
