@@ -65,7 +65,7 @@ def last_round(start: float, steps: Sequence[float], until: float) -> float:
     while t < (t1 := round_(t)) <= until:
         t2 = round_(t1)
         end = min(until, math.ldexp(1.0, math.frexp(t)[1]))  # t's binade ends at 2**e
-        if t > 0 and t2 < end:
+        if t > 0 and t1 < t2 < end:  # t1 == t2: the additions stopped moving it
             period = t2 - t1  # exact: both in t's binade
             rounds = math.floor((end - t1) / period) - 2  # two spare for the division's rounding
             t = t1 + rounds * period if rounds > 0 else t1

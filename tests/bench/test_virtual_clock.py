@@ -38,3 +38,10 @@ def test_a_loops_last_round_is_the_float_its_additions_reach() -> None:
             assert last_round(start, steps, until) == _added(start, steps, until), (steps, start, until)
     far = last_round(0.1, (0.002, 0.002, 0.25), 1e9)  # in a few rounds per binade, not 4e9 additions
     assert 1e9 - 0.254 < far <= 1e9
+
+
+def test_a_round_that_stops_moving_the_time_ends_the_loop_where_the_additions_stop() -> None:
+    # From an odd start a tie rounds up once; the next addition of half an ulp adds nothing: the
+    # sums stay at 1 + 2**-51, where the jump divided by the zero period between its rounds.
+    start, steps = 1.0 + 2**-52, (2.0**-53,)
+    assert last_round(start, steps, 1.5) == 1.0 + 2**-51
