@@ -39,8 +39,9 @@
    `--concurrency` at a time (closed loop), through a router started from each of `--trees` in
    turn (alternating, `--repeats` each) in front of the same two agg sims and shims; the router's
    CPU (utime + stime from /proc) per answered request and per streamed chunk, a warm-up of one
-   request per lane first. `--py-spy` records each router's raw stacks (native frames) and
-   `--cprofile` runs it under cProfile, both into the tree's bench/out/ (figures not to quote).
+   request per lane first. `--py-spy` records each router's raw stacks (native frames, 250 Hz;
+   bench.flame.Recording: a flame graph beside them) and `--cprofile` runs it under cProfile, both
+   into the tree's bench/out/ (figures not to quote).
 
     .venv/bin/python -m bench.bench_router decision
     .venv/bin/python -m bench.bench_router overhead --rates 50,200,500 --seconds 5
@@ -385,12 +386,13 @@ def bench_stream_cpu(
     py_spy: str | None, cprofile: bool,
 ) -> dict[str, Any]:  # fmt: skip
     """The router's CPU per streamed request and per chunk, a router from each tree in turn."""
+    import contextlib
     import os
-    import signal
     import subprocess
     import sys
 
     from bench.cpu import read_cpu_ticks
+    from bench.flame import Recording
     from bench.overhead import reset_prefix_caches
     from kvswitch.servers import EtcdServer, NatsServer, free_port
 
@@ -423,33 +425,27 @@ def bench_stream_cpu(
                          "--namespace", ns, "--disagg", "never"],
                         cwd=tree, env={**os.environ, "PYTHONPATH": tree, "KVSWITCH_LOG_LEVEL": "warning"},
                     )  # fmt: skip
-                    spy = None
                     try:
                         url = f"http://127.0.0.1:{port}"
                         _wait_workers(url, 2)
                         uvloop.run(_closed_loop(url, concurrency, concurrency, isl, osl, -phases))  # warm-up
-                        if py_spy is not None:
-                            spy = subprocess.Popen(
-                                [py_spy, "record", "-p", str(router.pid), "-r", "250", "-f", "raw", "--native", "-o",
-                                 str(stats.with_suffix(".txt"))],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            )  # fmt: skip
-                            time.sleep(1.0)
-                        ticks, start = read_cpu_ticks(router.pid), time.perf_counter()
-                        answered, chunks = uvloop.run(_closed_loop(url, concurrency, requests, isl, osl, phases))
-                        cpu_s = (read_cpu_ticks(router.pid) - ticks) / hz
+                        with contextlib.ExitStack() as stack:
+                            if py_spy is not None:  # stacks in <stats>.txt, a flame graph in <stats>.svg
+                                stack.enter_context(Recording(py_spy, router.pid, stats, rate=250))
+                                time.sleep(1.0)
+                            ticks, start = read_cpu_ticks(router.pid), time.perf_counter()
+                            answered, chunks = uvloop.run(_closed_loop(url, concurrency, requests, isl, osl, phases))
+                            cpu_s = (read_cpu_ticks(router.pid) - ticks) / hz
+                            wall_s = time.perf_counter() - start  # not py-spy's writing its files
                         row = {
                             "tree": tree, "repeat": repeat, "answered": answered, "chunks": chunks,
-                            "wall_s": round(time.perf_counter() - start, 2), "router_cpu_s": round(cpu_s, 3),
+                            "wall_s": round(wall_s, 2), "router_cpu_s": round(cpu_s, 3),
                             "us_per_request": round(cpu_s / max(answered, 1) * 1e6),
                             "us_per_chunk": round(cpu_s / max(chunks, 1) * 1e6, 1),
                         }  # fmt: skip
                         out["runs"].append(row)
                         print(json.dumps(row), flush=True)
                     finally:
-                        if spy is not None:
-                            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-                            spy.wait(30)
                         router.terminate()
                         router.wait(20)
         finally:
@@ -635,7 +631,7 @@ def main() -> None:
     sc.add_argument("--osl", type=int, default=64)
     sc.add_argument("--repeats", type=int, default=2)
     sc.add_argument("--speedup", type=float, default=1.0)
-    sc.add_argument("--py-spy", default=None, help="py-spy executable: raw stacks of each router in bench/out/")
+    sc.add_argument("--py-spy", default=None, help="py-spy executable: each router's stacks, flame graph in bench/out/")
     sc.add_argument("--cprofile", action="store_true", help="run each router under cProfile: stats in bench/out/")
     r = sub.add_parser("registrations")
     r.add_argument("--sizes", default="250,500,1000", help="fleet sizes, the smallest first")
