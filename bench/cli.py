@@ -706,7 +706,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.scale_tokens is None:
         args.scale_tokens = 1.0
     rates = list(dict.fromkeys(positive_numbers("--rates", args.rates)))
-    fleets = parse_fleets(args.fleets)
+    fleets = list(dict.fromkeys(parse_fleets(args.fleets)))  # a repeat once, as --rates and --configs
     # Aggregated configurations run P + D engines, so 0P+1D is one aggregated engine for them.
     bare = [f for f in fleets if f.prefill < 1]
     if bare:

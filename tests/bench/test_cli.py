@@ -779,6 +779,16 @@ def test_repeated_rates_and_configurations_are_measured_once(tmp_path: Path) -> 
     assert measured == [(2.0, "kv", 0), (2.0, "round_robin", 0), (1.0, "kv", 0), (1.0, "round_robin", 0)]
 
 
+def test_a_repeated_fleet_of_a_sweep_is_measured_once(tmp_path: Path) -> None:
+    """`--fleets 1P+1D,1P+2D,1P+1D` swept 1P+1D twice (same seed), as --rates and --configs did."""
+    from bench.sweep import read_points
+
+    argv = [*SWEEP[:2], "1P+1D,1P+2D,01P+1D", *SWEEP[3:], "--limit", "3", "--scale-tokens", "0.125"]
+    assert main(["bench", *argv, "--out-dir", str(tmp_path)]) == 0
+    (saved,) = tmp_path.glob("sweep-*.json")
+    assert [p.fleet.name for p in read_points(saved)] == ["1P+1D", "1P+2D"]
+
+
 @pytest.mark.parametrize(
     ("configs", "message"),
     [
