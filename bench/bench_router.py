@@ -72,6 +72,7 @@ import msgspec
 import uvloop
 
 from discovery import Discovery, Put, Snapshot
+from kvswitch.flags import FlagParser
 from protocol import LoadReport, WorkerInfo, block_hashes
 from protocol.config import EtcdSettings, RouterSettings, resolve
 from protocol.timing import check_speedup
@@ -612,8 +613,9 @@ def _book_free_us(view: LoadView) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="what", required=True)
+    # Refusals in one line, `bench_router.py decision: WHY`, as every kvswitch command's.
+    parser = FlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="benchmark", required=True)
     d = sub.add_parser("decision")
     d.add_argument("--workers", type=int, default=32, help="at least 4 (every fourth is a prefill worker)")
     d.add_argument("--iterations", type=int, default=2000)
@@ -652,25 +654,26 @@ def main() -> None:
     w.add_argument("--agg", type=int, default=2)
     w.add_argument("--speedup", type=float, default=1000.0)
     args = parser.parse_args()
+    chosen = sub.choices[args.benchmark]
     if (speedup := getattr(args, "speedup", None)) is not None:  # its sims run at it, as `kvswitch up`'s
         try:
             check_speedup(speedup, "--speedup")
         except ValueError as exc:
-            parser.exit(2, f"{parser.prog} {args.what}: error: {exc}\n")
-    if args.what == "decision" and args.workers < 4:
-        parser.error(f"--workers {args.workers}: at least 4, so that three workers hold each prompt's prefix")
-    if args.what == "workers":
+            chosen.error(str(exc))
+    if args.benchmark == "decision" and args.workers < 4:
+        chosen.error(f"--workers {args.workers}: at least 4, so that three workers hold each prompt's prefix")
+    if args.benchmark == "workers":
         uvloop.run(_serve_workers(args.nats, args.etcd, args.ns, args.agg, args.speedup))
         return
-    if args.what == "decision":
+    if args.benchmark == "decision":
         result = bench_decision(args.workers, args.iterations, args.policy)
-    elif args.what == "prefill-room":
+    elif args.benchmark == "prefill-room":
         result = bench_prefill_room(args.prefill, args.isl, args.iterations)
-    elif args.what == "pending":
+    elif args.benchmark == "pending":
         result = bench_pending(args.blocks)
-    elif args.what == "snapshots":
+    elif args.benchmark == "snapshots":
         result = bench_snapshots([int(n) for n in args.routers.split(",")], args.bookings)
-    elif args.what == "stream-cpu":
+    elif args.benchmark == "stream-cpu":
         trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
         result = bench_stream_cpu(
             trees,
@@ -683,7 +686,7 @@ def main() -> None:
             args.py_spy,
             args.cprofile,
         )
-    elif args.what == "registrations":
+    elif args.benchmark == "registrations":
         result = bench_registrations([int(n) for n in args.sizes.split(",")], args.repeats)
     else:
         result = bench_overhead([float(r) for r in args.rates.split(",")], args.seconds, args.agg, args.speedup)

@@ -144,7 +144,8 @@ def _module_parser(module: str, rest: list[str], monkeypatch: pytest.MonkeyPatch
     for a module that takes no arguments."""
     spec = importlib.util.find_spec(module)
     assert spec is not None and spec.origin is not None, f"no module {module}"
-    if "ArgumentParser" not in Path(spec.origin).read_text(encoding="utf-8"):
+    text = Path(spec.origin).read_text(encoding="utf-8")
+    if "ArgumentParser" not in text and "FlagParser" not in text:
         return None
 
     def stop(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
@@ -152,6 +153,7 @@ def _module_parser(module: str, rest: list[str], monkeypatch: pytest.MonkeyPatch
 
     with monkeypatch.context() as patch:
         patch.setattr(argparse.ArgumentParser, "parse_args", stop)
+        patch.setattr(FlagParser, "parse_args", stop)  # bench.bench_router's, which has its own
         patch.setattr(sys, "argv", [module, *rest])
         # run as __main__ beside its imported copy (another test imported it): runpy warns of that
         patch.delitem(sys.modules, module, raising=False)
