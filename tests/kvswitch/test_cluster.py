@@ -98,7 +98,7 @@ def test_a_sim_whose_replay_port_another_process_holds_is_named_with_the_holder(
             "kvswitch.cluster.free_ports", lambda count, host="127.0.0.1", avoid=(): base
         )  # every redraw
         cluster = LocalCluster(ClusterSpec(agg=1, routers=0))
-        with pytest.raises(ServerError, match=rf"sim-agg \(status 1; port {base + 2} is held by pid {os.getpid()} \("):
+        with pytest.raises(ServerError, match=rf"sim-agg \(status 2; port {base + 2} is held by pid {os.getpid()} \("):
             cluster.start()
         assert cluster.children == []
 
