@@ -10,7 +10,8 @@ STALE_MIN_S), no work to judge, or an engine that holds its load reading while i
 start the count again. An engine that answers nothing at all, neither /health nor /metrics
 (any HTTP status is an answer), while legs are in flight is frozen or cut off: its silence for
 `stall_limit_s` (time spent waiting on it since its last answer, or since the last output of a
-leg; a pause in which the shim asks nothing is none) is taken for a hang too, stale readings or
+leg; a pause in which the shim asks nothing is none, unless the engine could not be reached
+for its last question) is taken for a hang too, stale readings or
 not (until 2026-12-07 a SIGSTOPped engine with only non-streamed legs on it was never judged, and
 they waited out the router's --request-timeout). A stall of the shim's own is no silence of the
 engine's: it is not counted.
@@ -176,10 +177,11 @@ class StallWatchdog:
     def _silent_s(self, now: float) -> float:
         """How long the engine has answered nothing (neither /health nor /metrics) while legs are in
         flight, less the shim's own stalls: the time it left a question in flight unanswered since
-        its last answer (EngineSilence: a pause in which the shim asks nothing is not its silence),
-        or since a leg's last output; 0 with no leg in flight (nothing to end: the health checks
-        judge it) or no answer ever. A /metrics answer held (TensorRT-LLM's, iterations running) is
-        no answer: a frozen engine holds it too."""
+        its last answer (EngineSilence: a pause in which the shim asks nothing is not its silence,
+        unless the engine was unreachable for its last question), or since a leg's last output; 0
+        with no leg in flight (nothing to end: the health checks judge it) or no answer ever. A
+        /metrics answer held (TensorRT-LLM's, iterations running) is no answer: a frozen engine
+        holds it too."""
         requests = self._requests()
         legs = requests.inflight if requests is not None else {}
         output = Progress(

@@ -241,3 +241,47 @@ async def test_a_pause_in_which_the_shim_asks_nothing_is_no_silence_of_an_engine
             assert watchdog.stalled is None
         finally:
             await adapter.close()
+
+
+async def test_an_engine_refusing_every_question_at_once_is_judged_within_the_stall_limit() -> None:
+    """The engine is cut off so that each question is refused at once (a firewall's REJECT, its
+    listening socket closed): /health and /metrics fail in milliseconds each health check. Under
+    2bd308e only those milliseconds were silence, never reaching the stall limit, and a
+    non-streamed leg waited out --request-timeout. A question the engine could not be reached
+    for counts until the next one begins: the engine is judged about the stall limit after it
+    went."""
+    stall_limit_s = 4.0
+
+    async def ok(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    app.router.add_get("/metrics", ok)
+    async with served(app) as url:
+        adapter = make_adapter(ShimConfig(engine="vllm", engine_url=url, model="m", stall_limit_s=stall_limit_s))
+        assert isinstance(adapter, HttpEngineAdapter)
+        requests = SimpleNamespace(inflight={"leg": SimpleNamespace(writer=None)}, completed=0)  # non-streamed
+        watchdog = StallWatchdog(
+            lambda: cast(RequestService, requests),
+            lambda: adapter,
+            stall_limit_s=stall_limit_s,
+            health_interval_s=1.0,
+            engine_url=url,
+            own_stall=lambda _s: 0.0,
+        )
+        await adapter.open()
+        try:
+            assert await adapter.health() is EngineHealth.UP
+            adapter.base = f"http://127.0.0.1:{free_port()}"  # nothing listens there: refused
+            why = None
+            for _ in range(int(stall_limit_s) + 3):  # the shim's health-check cycle
+                assert await adapter.health() is EngineHealth.DOWN
+                with pytest.raises(EngineError):
+                    await adapter.fetch("/metrics")
+                if (why := watchdog.look(time.monotonic(), None, None, None)) is not None:
+                    break
+                await asyncio.sleep(1.0)
+            assert why is not None and "answered nothing" in why, "never judged"
+        finally:
+            await adapter.close()

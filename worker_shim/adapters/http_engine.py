@@ -61,6 +61,13 @@ def _out_of_fds(exc: BaseException | None) -> bool:
     return False
 
 
+def _unreached(exc: BaseException) -> bool:
+    """The engine could not be reached for a question: refused, unreachable, reset. Not a timeout
+    (a loaded engine's), a close without reset (a pooled connection dropped) or the shim's own want
+    of a file descriptor."""
+    return isinstance(exc, OSError) and not isinstance(exc, TimeoutError) and not _out_of_fds(exc)
+
+
 def _retrieved(probe: asyncio.Task[int]) -> None:
     if not probe.cancelled():
         probe.exception()  # a late probe's failure says nothing: the next probe answers for the engine
@@ -138,7 +145,7 @@ class HttpEngineAdapter(EngineAdapter):
         return health
 
     async def _probe_health(self) -> int:
-        with self.silence.asking():
+        with self.silence.asking(_unreached):
             async with self.session.get(self.base + "/health", timeout=self._late_limit) as resp:
                 self.silence.answered()
                 await resp.read()  # read to the end so the connection is reused
@@ -224,7 +231,7 @@ class HttpEngineAdapter(EngineAdapter):
     async def fetch(self, path: str, method: str = "GET", timeout: aiohttp.ClientTimeout = PROBE_TIMEOUT) -> bytes:
         """The body of a 200 answer from `path`; EngineError for any other status or no answer."""
         try:
-            with self.silence.asking():
+            with self.silence.asking(_unreached):
                 async with self.session.request(method, self.base + path, timeout=timeout) as resp:
                     self.silence.answered()
                     if resp.status != 200:

@@ -3,20 +3,27 @@ count of a frozen or cut-off engine).
 
 The questions are the adapter's health probes and status reads; any HTTP answer to one, whatever
 its status, is an answer. Silence is the time since the last answer during which at least one
-question was in flight: a question that ends unanswered (a timeout, a reset) counts until it ends,
-and a pause in which the shim asks nothing counts not at all. Until 2026-12-07 silence ran from
-the last answer, so a pause of the shim's own (up to 30 s resting after failed sessions, or waiting
-for the events to go live) was the engine's: a loaded engine answering late was cut whenever
---stall-limit-s was under the pause and its two late answers.
+question was in flight: a question that ends unanswered counts until it ends, and a pause in which
+the shim asks nothing counts not at all, except after a question the engine could not be reached
+for (refused, unreachable, reset; not a timeout, which a loaded engine gives): the engine is known
+unreachable, and the pause until the next question counts too. Until 2026-12-07 silence
+ran from the last answer, so a pause of the shim's own (up to 30 s resting after failed sessions,
+or waiting for the events to go live) was the engine's: a loaded engine answering late was cut
+whenever --stall-limit-s was under the pause and its two late answers; and for a while after, an
+engine refusing each question in milliseconds was silent those milliseconds only, never judged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = ["EngineSilence"]
+
+
+def _never(_exc: BaseException) -> bool:
+    return False
 
 
 class EngineSilence:
@@ -27,19 +34,25 @@ class EngineSilence:
         # When the engine last answered (time.monotonic()), None before it ever did.
         self.answered_at: float | None = None
         self._asking = 0  # questions in flight
-        self._since: float | None = None  # when the wait under way began (one is in flight since) ...
-        self._waited_s = 0.0  # ... and the waits that ended before it, since the last answer
+        self._since: float | None = None  # when the span of silence under way began ...
+        self._waited_s = 0.0  # ... and the spans that closed before it, since the last answer
 
     @contextlib.contextmanager
-    def asking(self) -> Iterator[None]:
-        if not self._asking:
+    def asking(self, unreached: Callable[[BaseException], bool] = _never) -> Iterator[None]:
+        """Around one question; `unreached(exc)` says whether its failure means the engine could
+        not be reached: then the span stays open until the next question begins (and goes on)."""
+        if self._since is None:
             self._since = time.monotonic()
         self._asking += 1
+        cut_off = False
         try:
             yield
+        except BaseException as exc:
+            cut_off = unreached(exc)
+            raise
         finally:
             self._asking -= 1
-            if not self._asking and self._since is not None:
+            if not self._asking and not cut_off and self._since is not None:
                 self._waited_s += time.monotonic() - self._since
                 self._since = None
 
