@@ -245,6 +245,7 @@ class WorkerShim:
         self.loop_watch = LoopWatch("this shim")
         self._loop_watch_started = -LOOP_WATCH_AGAIN_S  # when _check_tasks last started it again
         self._cut_off = CutOff(self.loop_watch.stalled_within)
+        self.adapter.silence.own_stall = self.loop_watch.stalled_within  # nor of the engine's
         self.norm_stats = NormaliserStats()
         self.kv_counters = PublisherCounters()
         self.load_reports_sent = 0  # by every worker id this process registered

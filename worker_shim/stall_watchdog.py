@@ -178,10 +178,10 @@ class StallWatchdog:
         """How long the engine has answered nothing (neither /health nor /metrics) while legs are in
         flight, less the shim's own stalls: the time it left a question in flight unanswered since
         its last answer (EngineSilence: a pause in which the shim asks nothing is not its silence,
-        unless the engine was unreachable for its last question), or since a leg's last output; 0
-        with no leg in flight (nothing to end: the health checks judge it) or no answer ever. A
-        /metrics answer held (TensorRT-LLM's, iterations running) is no answer: a frozen engine
-        holds it too."""
+        unless the engine was unreachable for its last question; the shim's stalls within those
+        spans are taken off there), or since a leg's last output; 0 with no leg in flight (nothing
+        to end: the health checks judge it) or no answer ever. A /metrics answer held
+        (TensorRT-LLM's, iterations running) is no answer: a frozen engine holds it too."""
         requests = self._requests()
         legs = requests.inflight if requests is not None else {}
         output = Progress(
@@ -196,8 +196,10 @@ class StallWatchdog:
         silence = self._adapter().silence
         if not legs or silence.answered_at is None:
             return 0.0
-        silent_s = min(silence.silent_s(now), now - self._output_at)
-        return silent_s - self._own_stall(silent_s)
+        since_output = now - self._output_at
+        if since_output < (silent_s := silence.silent_s(now)):  # its own stalls taken off already
+            return since_output - self._own_stall(since_output)
+        return silent_s
 
     def _legs(self) -> int:
         requests = self._requests()

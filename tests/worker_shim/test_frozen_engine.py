@@ -34,6 +34,7 @@ from tests.worker_shim.cluster import served, shim_for, sim_config, wait_for
 from tests.worker_shim.test_silent_failures import FaultyProxy
 from worker_shim import ShimConfig, WorkerShim
 from worker_shim.adapters import EngineError, EngineHealth, make_adapter
+from worker_shim.adapters import silence as silence_module
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.request_service import RequestService
 from worker_shim.stall_watchdog import StallWatchdog
@@ -285,3 +286,38 @@ async def test_an_engine_refusing_every_question_at_once_is_judged_within_the_st
             assert why is not None and "answered nothing" in why, "never judged"
         finally:
             await adapter.close()
+
+
+def test_the_shims_own_stalls_are_taken_off_only_within_the_spans_it_waited_on_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two questions time out, at 0-2 s and 20-22 s (4 s of silence); the shim's loop stood still
+    19-20.5 s, half a second of it within the second question. Under 2bd308e the stalls of the
+    last 4 s of wall time were taken off (1.5 s: 2.5 s of silence); now those within the questions
+    (3.5 s), so a stall limit of 3 s is reached."""
+    clock = [0.0]
+    monkeypatch.setattr(silence_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    stall = (19.0, 20.5)
+
+    def own_stall(seconds: float) -> float:  # LoopWatch.stalled_within, on the fake clock
+        return max(min(stall[1], clock[0]) - max(stall[0], clock[0] - seconds), 0.0)
+
+    adapter = make_adapter(ShimConfig(engine="vllm", engine_url="http://127.0.0.1:1", model="m", stall_limit_s=3.0))
+    adapter.silence.own_stall = own_stall
+    adapter.silence.answered()  # at 0
+    requests = SimpleNamespace(inflight={"leg": SimpleNamespace(writer=None)}, completed=0)
+    watchdog = StallWatchdog(
+        lambda: cast(RequestService, requests),
+        lambda: adapter,
+        stall_limit_s=3.0,
+        health_interval_s=1.0,
+        engine_url="http://127.0.0.1:1",
+        own_stall=own_stall,
+    )
+    for start in (0.0, 20.0):
+        clock[0] = start
+        with pytest.raises(TimeoutError), adapter.silence.asking():
+            clock[0] = start + 2.0
+            raise TimeoutError
+    assert adapter.silence.silent_s(clock[0]) == pytest.approx(3.5)
+    assert watchdog.look(clock[0], None, None, None) is not None, "the stalls outside the questions were taken off"

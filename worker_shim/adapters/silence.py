@@ -6,7 +6,8 @@ its status, is an answer. Silence is the time since the last answer during which
 question was in flight: a question that ends unanswered counts until it ends, and a pause in which
 the shim asks nothing counts not at all, except after a question the engine could not be reached
 for (refused, unreachable, reset; not a timeout, which a loaded engine gives): the engine is known
-unreachable, and the pause until the next question counts too. Until 2026-12-07 silence
+unreachable, and the pause until the next question counts too. A stall of the shim's own within
+those spans is not counted (`own_stall`, the shim's runtime.loop_watch). Until 2026-12-07 silence
 ran from the last answer, so a pause of the shim's own (up to 30 s resting after failed sessions,
 or waiting for the events to go live) was the engine's: a loaded engine answering late was cut
 whenever --stall-limit-s was under the pause and its two late answers; and for a while after, an
@@ -33,6 +34,9 @@ class EngineSilence:
     def __init__(self) -> None:
         # When the engine last answered (time.monotonic()), None before it ever did.
         self.answered_at: float | None = None
+        # Seconds the shim's own loop stood still within the last N (LoopWatch.stalled_within; the
+        # shim sets it): taken off each span of silence as it closes, and off the one under way.
+        self.own_stall: Callable[[float], float] = lambda _s: 0.0
         self._asking = 0  # questions in flight
         self._since: float | None = None  # when the span of silence under way began ...
         self._waited_s = 0.0  # ... and the spans that closed before it, since the last answer
@@ -53,7 +57,8 @@ class EngineSilence:
         finally:
             self._asking -= 1
             if not self._asking and not cut_off and self._since is not None:
-                self._waited_s += time.monotonic() - self._since
+                span = time.monotonic() - self._since
+                self._waited_s += max(span - self.own_stall(span), 0.0)
                 self._since = None
 
     def answered(self) -> None:
@@ -62,4 +67,7 @@ class EngineSilence:
         self._since = now if self._asking else None  # the questions still in flight wait from here
 
     def silent_s(self, now: float) -> float:
-        return self._waited_s + (now - self._since if self._since is not None else 0.0)
+        if self._since is None:
+            return self._waited_s
+        span = now - self._since
+        return self._waited_s + max(span - self.own_stall(span), 0.0)
