@@ -288,7 +288,8 @@ class LocalCluster:
                 settings.touch(mode=0o600)
                 settings.chmod(0o600)
                 login = {"etcd_user": role, "etcd_password": self._etcd_passwords[role]}
-                settings.write_text(yaml.safe_dump({**spec.router_file, **login}))
+                own = spec.router_file if role == "router" else {}  # the operator's file is the router's
+                settings.write_text(yaml.safe_dump({**own, **login}))
                 argv += ["--config", str(settings)]
             elif config is not None:
                 argv += ["--config", config]

@@ -813,6 +813,9 @@ def test_secure_with_no_workers_carries_the_router_flags_and_a_copy_of_its_confi
         settings = yaml.safe_load(copy.read_text())
         assert settings.pop("etcd_user") == "router" and settings.pop("etcd_password") not in out
         assert settings == {"max_body_bytes": 1048576}
+        shim = next(shlex.split(row) for row in out.splitlines() if row.startswith("  kvswitch shim "))
+        worker = yaml.safe_load(Path(shim[shim.index("--config") + 1]).read_text())
+        assert set(worker) == {"etcd_user", "etcd_password"}, worker  # the router's settings are not the shim's
         log = tmp_path / "router.log"
         with log.open("w") as sink:
             router = subprocess.Popen(
