@@ -380,11 +380,8 @@ class Discovery:
 
     async def holder(self, key: str) -> int | None:
         """The id of the lease holding `key` (0: a key put without one), or None when it does not exist."""
-        kv = self.client.kv
-        assert kv is not None
-        with self._calling(lambda exc: DiscoveryError(f"get {key} failed: {said(exc)}")):
-            resp = await kv.get(key, timeout=5.0)
-        return int(resp.kvs[0].lease) if resp.kvs else None
+        found = await self.held(key)
+        return None if found is None else found.holder
 
     async def held(self, key: str) -> KeyTaken | None:
         """`key`'s holder and value, as a create of it would find them (KeyTaken, not raised: its

@@ -196,10 +196,8 @@ class StallWatchdog:
         silence = self._adapter().silence
         if not legs or silence.answered_at is None:
             return 0.0
-        since_output = now - self._output_at
-        if since_output < (silent_s := silence.silent_s(now)):  # its own stalls taken off already
-            return since_output - self._own_stall(since_output)
-        return silent_s
+        since_output = now - self._output_at  # its own stalls taken off here, the silence's already
+        return min(silence.silent_s(now), since_output - self._own_stall(since_output))
 
     def _legs(self) -> int:
         requests = self._requests()
