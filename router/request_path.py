@@ -200,7 +200,8 @@ class RequestPath:
         an alias's) left within RECENT_S, or a request resolved it here within RECENT_S and none
         serves its model now. One unloaded from workers still serving its model is not gone but
         unknown, a 404 as vLLM answers it."""
-        if name in self._left_lately():
+        left = self.departed().get(name)
+        if left is not None and left.at >= self.clock() - RECENT_S and self.default_model in (None, left.model):
             return True
         model = self.served_lately().get(name)
         return model is not None and model not in self.models()
