@@ -467,13 +467,12 @@ class KvIngest:
         ended = self._ended.pop(worker, None)
         if ended is not None and now - ended.at > ENDED_S:
             ended = None
+        self._expire_unknown(now)  # expiry runs only as batches come: the held may be past their time
         stale: list[KvEventBatch] = []
         for arrived, size, batch, skipped in self._unknown.pop(worker, ()):
             self._held_total -= size
             self.stats.unknown_held -= 1
-            if now - arrived > self._unknown_ttl_s:  # expired, unseen: expiry runs only as others come
-                self.stats.dropped_unknown += 1
-            elif batch.epoch != epoch and (
+            if batch.epoch != epoch and (
                 batch.epoch in ended.epochs if ended is not None else arrived < self._heard_from
             ):  # an earlier session's, sent before this registration: no repair can show it forged
                 stale.append(batch)
