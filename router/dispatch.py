@@ -126,7 +126,7 @@ from router.tracing import RequestTracer
 from runtime import guarded
 from runtime.nats_flush import nats_answers
 
-__all__ = ["Bookings", "Dispatcher", "Job"]
+__all__ = ["LEG_FAILED_KINDS", "Bookings", "Dispatcher", "Job"]
 
 log = logging.getLogger(__name__)
 _NO_RESPONDERS = "503"
@@ -302,11 +302,17 @@ async def _cut_short(leg: Leg, chunk: ResponseChunk, until: float, silence_s: fl
             return  # ended with an error, or not heard of in time: cancelled again as it is left
 
 
-# kvswitch_router_worker_legs_failed_total's kinds: the worker's engine failed the leg (a 5xx but
-# 503), turned it away for load (429, 503, a 408 before it), could not be reached (its shim's 503
-# engine_unavailable), the worker went unheard (no responder, silent, chunks lost), or its reply
-# broke the protocol. A client's refusal, its leaving and the router's own limits are no worker's.
-LEG_FAILED_KINDS = ("engine_error", "engine_busy", "engine_unavailable", "unreachable", "malformed")
+# kvswitch_router_worker_legs_failed_total's kinds, each with what it counts (the metric's help
+# lists them): engine_busy takes a 408 before the 429 or 503 too, unreachable lost chunks. A
+# client's refusal, its leaving and the router's own limits are no worker's.
+LEG_FAILED_KINDS = {
+    "engine_error": "its engine's server error, 5xx but 503; enough in a row, each retried on another worker that "
+    "gave output, leave it out as engine_failing",
+    "engine_busy": "its engine's 429 or 503",
+    "engine_unavailable": "its shim could not reach the engine",
+    "unreachable": "no responder, silent",
+    "malformed": "a reply that broke the protocol",
+}
 
 
 def _failed_kind(exc: LegError) -> str | None:

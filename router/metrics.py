@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from protocol.config import MIN_LOAD_PERIOD_S
+from router.dispatch import LEG_FAILED_KINDS
 from router.gap_repair import FailureKind
 from router.ingest_stats import IngestStats
 from router.replica_sync import SyncStats
@@ -175,12 +176,9 @@ class _StateCollector(Collector):
         )
         failed = CounterMetricFamily(
             "kvswitch_router_worker_legs_failed",
-            "Decode and agg legs that failed before their first output, by registered worker and kind: engine_error "
-            "(its engine's server error, 5xx but 503; enough in a row, each retried on another worker that gave "
-            "output, leave it out as engine_failing), engine_busy (its engine's 429 or 503), engine_unavailable "
-            "(its shim could not reach the engine), unreachable (no responder, silent), malformed (a reply that "
-            "broke the protocol); not a decode leg's failed KV pull, the pair's. Each retried once on another "
-            "worker where one is left",
+            "Decode and agg legs that failed before their first output, by registered worker and kind: "
+            + ", ".join(f"{kind} ({counts})" for kind, counts in LEG_FAILED_KINDS.items())
+            + "; not a decode leg's failed KV pull, the pair's. Each retried once on another worker where one is left",
             labels=["worker", "kind"],
         )
         for (worker, kind), n in sorted(s.legs_failed.items()):
