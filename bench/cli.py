@@ -32,7 +32,7 @@ from bench.overhead import add_overhead_parser, overhead_main
 from bench.replicas import add_replicas_parser, replicas_main
 from bench.stop_signals import signals_unwind
 from bench.summary import PrefixCounters, Slo, format_summary, results_clock, scrape_prefix_counters, summarize
-from bench.trace import TraceError, load_trace, shipped_trace
+from bench.trace import TraceError, selected_records, shipped_trace
 from bench.virtual.delays import DEFAULT_DELAYS, Delays
 from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
 from protocol.config import url_problem
@@ -437,11 +437,7 @@ def _trace_items(args: argparse.Namespace) -> list[WorkItem]:
     # `is None`, not `or`: an `or` default read 0 as unset (--scale-tokens 0 ran at 1.0)
     start = 0.0 if args.start is None else args.start
     check_non_negative("--start", start)
-    records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=start)
-    if not records:
-        if not load_trace(trace, limit=1):  # as plan says it: no flag could select from an empty file
-            raise ValueError(f"no records in the trace file {trace}")
-        raise ValueError("the trace selection is empty (check --start/--duration/--limit)")
+    records = selected_records(trace, limit=args.limit, duration_s=args.duration, start_s=start)
     scale = 1.0 if args.scale_tokens is None else args.scale_tokens
     return from_trace(records, scale_tokens=scale, max_input_len=args.max_input_len)
 

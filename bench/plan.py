@@ -40,7 +40,7 @@ from bench.flag_numbers import check_positive
 from bench.process_pool import process_pool
 from bench.stop_signals import signals_unwind
 from bench.summary import Slo, Summary, summarize
-from bench.trace import TokenSynth, TraceError, load_trace, shipped_trace
+from bench.trace import TokenSynth, TraceError, selected_records, shipped_trace
 from bench.virtual.fleet import (
     SIMS_MAX_MODEL_LEN,
     FleetSpec,
@@ -353,11 +353,7 @@ def _plan(args: argparse.Namespace) -> int:
         names = [n for n in names if n not in split]
     splits = _splits(args.splits, args.gpus) if args.splits else list(range(1, args.gpus))
     trace = args.trace or shipped_trace()
-    records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=args.start)
-    if not records:
-        if not load_trace(trace, limit=1):
-            raise ValueError(f"no records in the trace file {trace}")
-        raise ValueError("the trace selection is empty (check --start/--duration/--limit)")
+    records = selected_records(trace, limit=args.limit, duration_s=args.duration, start_s=args.start)
     items = from_trace(records, scale_tokens=args.scale_tokens)
     check_span("--rate", items, args.rate)
     slo = Slo(args.slo_ttft, args.slo_itl)

@@ -30,6 +30,7 @@ __all__ = [
     "TraceError",
     "TraceRecord",
     "load_trace",
+    "selected_records",
     "shipped_trace",
 ]
 
@@ -112,6 +113,19 @@ def load_trace(
     if records:
         first = records[0].arrival_s
         records = [TraceRecord(r.arrival_s - first, r.input_length, r.output_length, r.hash_ids) for r in records]
+    return records
+
+
+def selected_records(
+    path: str | Path, *, limit: int | None = None, duration_s: float | None = None, start_s: float = 0.0
+) -> list[TraceRecord]:
+    """load_trace's records, refused (ValueError) where none is selected: saying whether the file
+    has none (no flag could select from it) or the --start/--duration/--limit window is empty."""
+    records = load_trace(path, limit=limit, duration_s=duration_s, start_s=start_s)
+    if not records:
+        if not load_trace(path, limit=1):
+            raise ValueError(f"no records in the trace file {path}")
+        raise ValueError("the trace selection is empty (check --start/--duration/--limit)")
     return records
 
 
