@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from kvswitch.environment import ENV_PREFIX, known_variables
 from protocol.errors import ConfigError
 
-__all__ = ["FlagParser", "unknown_flags"]
+__all__ = ["FlagParser", "long_flags", "unknown_flags"]
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -33,7 +33,7 @@ class FlagParser(argparse.ArgumentParser):
         ns, unknown = self.parse_known_args(args, namespace)
         if unknown:
             chain = _chosen(self, ns)
-            known = [f for p in chain for a in p._actions for f in a.option_strings if f.startswith("--")]
+            known = long_flags(*chain)
             near = ", ".join(unknown_flags(unknown, known, near_only=True))
             self.error(
                 f"unrecognized arguments: {' '.join(unknown)}{': ' + near if near else ''}; "
@@ -77,6 +77,11 @@ def _nearest(flag: str, known: Iterable[str]) -> list[str]:
     scores = {k: difflib.SequenceMatcher(None, flag, k).ratio() for k in set(known)}
     best = max(scores.values(), default=0.0)
     return sorted(k for k, score in scores.items() if score == best) if best >= 0.6 else []
+
+
+def long_flags(*parsers: argparse.ArgumentParser) -> list[str]:
+    """The `--` flags of `parsers`, in their order: what a mistyped flag is matched against."""
+    return [f for p in parsers for a in p._actions for f in a.option_strings if f.startswith("--")]
 
 
 def unknown_flags(unknown: list[str], known: Iterable[str], *, near_only: bool = False) -> list[str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvswitch.cluster import POOLS, STOP_GRACE_S, ClusterSpec, LocalCluster, RestartPolicy, shim_argv
-from kvswitch.flags import FlagParser, unknown_flags
+from kvswitch.flags import FlagParser, long_flags, unknown_flags
 from kvswitch.nats_auth import RESPONSE_TTL_S
 from kvswitch.servers import FREE_PORTS_ENV, ServerError, port_range, symlinked
 from protocol import ConfigError, subjects
@@ -401,8 +401,7 @@ def _unknown_flags(unknown: list[str], router: argparse.ArgumentParser) -> str:
     each flag in it."""
     own = argparse.ArgumentParser()
     add_arguments(own)
-    known = [f for p in (own, router) for a in p._actions for f in a.option_strings if f.startswith("--")]
-    flags = ", ".join(unknown_flags(unknown, known)) or " ".join(unknown)
+    flags = ", ".join(unknown_flags(unknown, long_flags(own, router))) or " ".join(unknown)
     return (
         f"kvswitch up: unrecognized arguments: {' '.join(unknown)}: {flags} is neither a flag of kvswitch up "
         "(kvswitch up --help) nor a router flag it passes on (kvswitch router --help)"
