@@ -321,3 +321,38 @@ def test_the_shims_own_stalls_are_taken_off_only_within_the_spans_it_waited_on_t
             raise TimeoutError
     assert adapter.silence.silent_s(clock[0]) == pytest.approx(3.5)
     assert watchdog.look(clock[0], None, None, None) is not None, "the stalls outside the questions were taken off"
+
+
+def test_a_stall_of_the_shims_own_after_a_legs_output_is_taken_off_that_output_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A question in flight from 0 s, a leg's output at 2 s, the shim's loop still 5-8 s: at 10 s the
+    engine was silent 8 s since that output, 5 s of it the engine's. 8b7a455 took the stall off the
+    question's 10 s (7 s) and, that being shorter than the 8 s since output, said 7 s: past a 6 s limit."""
+    clock = [0.0]
+    monkeypatch.setattr(silence_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def own_stall(seconds: float) -> float:  # LoopWatch.stalled_within, on the fake clock
+        return max(min(8.0, clock[0]) - max(5.0, clock[0] - seconds), 0.0)
+
+    adapter = make_adapter(ShimConfig(engine="vllm", engine_url="http://127.0.0.1:1", model="m", stall_limit_s=6.0))
+    adapter.silence.own_stall = own_stall
+    adapter.silence.answered()  # at 0
+    writer = SimpleNamespace(sent_tokens=1)
+    requests = SimpleNamespace(inflight={"leg": SimpleNamespace(writer=writer)}, completed=0)
+    watchdog = StallWatchdog(
+        lambda: cast(RequestService, requests),
+        lambda: adapter,
+        stall_limit_s=6.0,
+        health_interval_s=1.0,
+        engine_url="http://127.0.0.1:1",
+        own_stall=own_stall,
+    )
+    with adapter.silence.asking():
+        assert watchdog.look(0.0, None, None, None) is None
+        clock[0] = 2.0
+        writer.sent_tokens = 2
+        assert watchdog.look(2.0, None, None, None) is None
+        clock[0] = 10.0
+        said = watchdog.look(10.0, None, None, None) or ""  # the leg's own progress is judged apart
+        assert "answered nothing" not in said, "the shim's own stall was counted as the engine's silence"
