@@ -109,9 +109,11 @@ class StallWatchdog:
         if mark is None or self._mark is None or known_at is None or iterating or mark.moved_since(self._mark):
             self._mark, self._moved_at = mark, now
             return None
-        if known_at - self._moved_at < self.stall_limit_s:
+        # The shim's own stalls since then are not the engine's (a paused VM wakes to no tokens read)
+        still_s = known_at - self._moved_at - self._own_stall(now - self._moved_at)
+        if still_s < self.stall_limit_s:
             return None
-        still_s, self._mark = now - self._moved_at, None  # its legs end: the count starts again
+        self._mark = None  # its legs end: the count starts again
         self._stall(
             mark,
             f"made no progress for {still_s:.0f}s ({self._legs()} legs in flight; it reports "
