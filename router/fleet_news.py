@@ -165,8 +165,8 @@ class FleetNews:
         seen.said_down = True
         log.warning(
             "model %s: no decode or agg worker registered any more (%s), so every request for it is refused "
-            "(a 503; without --model, a 404 once no request has named it for %g min) until one registers and can "
-            "take requests (logged once until one can)",
+            "(a 503; without --model, a 404 once %g min have passed since they left and since a request named it) "
+            "until one registers and can take requests (logged once until one can)",
             model,
             f"{prefill} prefill workers remain" if prefill else "nor any prefill worker",
             RECENT_S / 60,
