@@ -128,10 +128,11 @@ async def test_a_watch_whose_stream_a_hung_member_holds_sees_a_change_made_elsew
         ), said
 
 
-class _Silent:
-    """A watch stream that never answers, on a connection that does (its pings answered)."""
+class SilentStream:
+    """A watch stream that never answers: a hung member's, on a connection that does (its pings
+    answered), or one whose stall is all this process's doing (test_own_stall)."""
 
-    def __aiter__(self) -> _Silent:
+    def __aiter__(self) -> SilentStream:
         return self
 
     async def __anext__(self) -> Any:
@@ -150,7 +151,7 @@ async def test_a_watch_whose_stream_goes_silent_is_made_again(
         assert d.client.watch is not None
         stub = d.client.watch._stub
         opened = stub.Watch
-        silent = [_Silent()]  # the first stream; the one made again is etcd's own
+        silent = [SilentStream()]  # the first stream; the one made again is etcd's own
         monkeypatch.setattr(stub, "Watch", lambda *a, **kw: silent.pop() if silent else opened(*a, **kw))
         watch: AsyncGenerator[WatchEvent[bytes], None] = d.watch_raw(f"/{ns}/w/")
         assert isinstance(await anext(watch), Snapshot)

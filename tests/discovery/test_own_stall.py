@@ -10,7 +10,6 @@ import logging
 import re
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
 
 import pytest
 
@@ -18,6 +17,7 @@ import discovery.watch as watch_module
 from discovery import Discovery, Put, Snapshot, WatchEvent
 from discovery.watch import SILENT_S
 from protocol.config import EtcdSettings
+from tests.discovery.test_hung_member import SilentStream
 
 
 async def test_a_watch_through_a_stall_of_its_process_is_not_made_again(
@@ -39,19 +39,6 @@ async def test_a_watch_through_a_stall_of_its_process_is_not_made_again(
     assert f"watch /{ns}/w/: this process was stalled" in caplog.text
 
 
-class _Silent:
-    """A watch stream that never answers (a hung member's), its stall all this process's doing."""
-
-    def __aiter__(self) -> _Silent:
-        return self
-
-    async def __anext__(self) -> Any:
-        await asyncio.Event().wait()
-
-    def cancel(self) -> None:
-        pass
-
-
 async def test_a_watch_stalled_past_its_re_waits_names_the_stall_not_etcd(
     etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -65,7 +52,7 @@ async def test_a_watch_stalled_past_its_re_waits_names_the_stall_not_etcd(
         assert d.client.watch is not None
         stub = d.client.watch._stub
         opened = stub.Watch
-        silent = [_Silent()]  # the first stream; the one made again is etcd's own
+        silent = [SilentStream()]  # the first stream; the one made again is etcd's own
         monkeypatch.setattr(stub, "Watch", lambda *a, **kw: silent.pop() if silent else opened(*a, **kw))
         watch: AsyncGenerator[WatchEvent[bytes], None] = d.watch_raw(f"/{ns}/w/")
         assert isinstance(await anext(watch), Snapshot)
