@@ -13,7 +13,7 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import cast
@@ -33,7 +33,7 @@ from tests.runtime.frozen import frozen, stopped
 from tests.worker_shim.cluster import served, shim_for, sim_config, wait_for
 from tests.worker_shim.test_silent_failures import FaultyProxy
 from worker_shim import ShimConfig, WorkerShim
-from worker_shim.adapters import EngineError, EngineHealth, make_adapter
+from worker_shim.adapters import EngineAdapter, EngineError, EngineHealth, make_adapter
 from worker_shim.adapters import silence as silence_module
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.request_service import RequestService
@@ -152,6 +152,20 @@ async def test_non_streamed_legs_on_a_frozen_engine_end_about_the_stall_limit_af
             await nc.close()
 
 
+def _watchdog(
+    requests: SimpleNamespace, adapter: EngineAdapter, stall_limit_s: float, own_stall: Callable[[float], float]
+) -> StallWatchdog:
+    """The shim's watchdog over a stand-in request service with the legs `requests.inflight`."""
+    return StallWatchdog(
+        lambda: cast(RequestService, requests),
+        lambda: adapter,
+        stall_limit_s=stall_limit_s,
+        health_interval_s=1.0,
+        engine_url=adapter.config.engine_url,
+        own_stall=own_stall,
+    )
+
+
 async def test_non_streamed_legs_on_an_engine_answering_health_and_metrics_late_run_on(
     ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -221,14 +235,7 @@ async def test_a_pause_in_which_the_shim_asks_nothing_is_no_silence_of_an_engine
         adapter = make_adapter(ShimConfig(engine="vllm", engine_url=url, model="m", stall_limit_s=stall_limit_s))
         assert isinstance(adapter, HttpEngineAdapter)
         requests = SimpleNamespace(inflight={"leg": SimpleNamespace(writer=None)}, completed=0)  # non-streamed
-        watchdog = StallWatchdog(
-            lambda: cast(RequestService, requests),
-            lambda: adapter,
-            stall_limit_s=stall_limit_s,
-            health_interval_s=1.0,
-            engine_url=url,
-            own_stall=lambda _s: 0.0,
-        )
+        watchdog = _watchdog(requests, adapter, stall_limit_s, lambda _s: 0.0)
         await adapter.open()
         try:
             assert await adapter.health() is EngineHealth.BUSY
@@ -263,14 +270,7 @@ async def test_an_engine_refusing_every_question_at_once_is_judged_within_the_st
         adapter = make_adapter(ShimConfig(engine="vllm", engine_url=url, model="m", stall_limit_s=stall_limit_s))
         assert isinstance(adapter, HttpEngineAdapter)
         requests = SimpleNamespace(inflight={"leg": SimpleNamespace(writer=None)}, completed=0)  # non-streamed
-        watchdog = StallWatchdog(
-            lambda: cast(RequestService, requests),
-            lambda: adapter,
-            stall_limit_s=stall_limit_s,
-            health_interval_s=1.0,
-            engine_url=url,
-            own_stall=lambda _s: 0.0,
-        )
+        watchdog = _watchdog(requests, adapter, stall_limit_s, lambda _s: 0.0)
         await adapter.open()
         try:
             assert await adapter.health() is EngineHealth.UP
@@ -306,14 +306,7 @@ def test_the_shims_own_stalls_are_taken_off_only_within_the_spans_it_waited_on_t
     adapter.silence.own_stall = own_stall
     adapter.silence.answered()  # at 0
     requests = SimpleNamespace(inflight={"leg": SimpleNamespace(writer=None)}, completed=0)
-    watchdog = StallWatchdog(
-        lambda: cast(RequestService, requests),
-        lambda: adapter,
-        stall_limit_s=3.0,
-        health_interval_s=1.0,
-        engine_url="http://127.0.0.1:1",
-        own_stall=own_stall,
-    )
+    watchdog = _watchdog(requests, adapter, 3.0, own_stall)
     for start in (0.0, 20.0):
         clock[0] = start
         with pytest.raises(TimeoutError), adapter.silence.asking():
@@ -341,14 +334,7 @@ def test_a_stall_of_the_shims_own_after_a_legs_output_is_taken_off_that_output_t
     adapter.silence.answered()  # at 0
     writer = SimpleNamespace(sent_tokens=1)
     requests = SimpleNamespace(inflight={"leg": SimpleNamespace(writer=writer)}, completed=0)
-    watchdog = StallWatchdog(
-        lambda: cast(RequestService, requests),
-        lambda: adapter,
-        stall_limit_s=6.0,
-        health_interval_s=1.0,
-        engine_url="http://127.0.0.1:1",
-        own_stall=own_stall,
-    )
+    watchdog = _watchdog(requests, adapter, 6.0, own_stall)
     with adapter.silence.asking():
         assert watchdog.look(0.0, None, None, None) is None
         clock[0] = 2.0
