@@ -191,8 +191,9 @@ class Job:
     # (worker, fault, role) of its legs whose engines failed them with a server error (a 5xx) before
     # any output: put down to those workers only once another leg generates output for the request,
     # as one the request itself caused (vLLM 0.32: a grammar that fails to compile) fails every
-    # engine alike; dropped when a later decode or agg leg fails so too, or the request ends
-    # unserved; a later prefill leg's 5xx replaces only an earlier prefill leg's (one slot, as before)
+    # engine alike; dropped when a later decode or agg leg fails with an engine 5xx (a 503 too, as
+    # before: LegError.engine_failed), or the request ends unserved; a later prefill leg's 5xx
+    # replaces only an earlier prefill leg's (one slot, as before)
     engine_errors: list[tuple[str, str, str]] = field(default_factory=list)
     # (prefill worker, its engine's message) of a prefill leg its engine refused (a 4xx): put down
     # to that worker only if a decode engine serves the request

@@ -146,11 +146,11 @@ class PeerSettings:
 
     # --- what changes ----------------------------------------------------------------------------
 
-    def mine(self, digest: str, settings: Mapping[str, str] | None = None) -> None:
+    def mine(self, digest: str, settings: Mapping[str, str]) -> None:
         """Our own settings changed (live config): their digest, and what it is of."""
         if digest != self.digest:
             self.digest = digest
-            self.settings = dict(settings or {})
+            self.settings = dict(settings)
             for peer in list(self._peers):
                 self._review(peer)
 

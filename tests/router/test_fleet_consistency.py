@@ -716,7 +716,7 @@ def test_a_peer_counts_as_different_only_after_it_stays_so_and_is_warned_once(
     assert peers.settings_mismatch() == ["p"] and peers.version_mismatch() == []
     (warned,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "peer router p" in warned and other in warned and mine in warned
-    peers.mine(other)  # we applied what the peer runs
+    peers.mine(other, {})  # we applied what the peer runs
     assert peers.warnings() == []
     assert any("same settings and version" in r.getMessage() for r in caplog.records)
 
