@@ -109,8 +109,10 @@ class StallWatchdog:
         if mark is None or self._mark is None or known_at is None or iterating or mark.moved_since(self._mark):
             self._mark, self._moved_at = mark, now
             return None
-        # The shim's own stalls since then are not the engine's (a paused VM wakes to no tokens read)
-        still_s = known_at - self._moved_at - self._own_stall(now - self._moved_at)
+        # The shim's own stalls between then and known_at are not the engine's (a paused VM wakes
+        # to no token read); those after a fresh reading fall outside what it judges
+        own_s = self._own_stall(now - self._moved_at) - self._own_stall(now - known_at)
+        still_s = known_at - self._moved_at - own_s
         if still_s < self.stall_limit_s:
             return None
         self._mark = None  # its legs end: the count starts again

@@ -33,7 +33,7 @@ from tests.runtime.frozen import frozen, stopped
 from tests.worker_shim.cluster import served, shim_for, sim_config, wait_for
 from tests.worker_shim.test_silent_failures import FaultyProxy
 from worker_shim import ShimConfig, WorkerShim
-from worker_shim.adapters import EngineAdapter, EngineError, EngineHealth, make_adapter
+from worker_shim.adapters import EngineAdapter, EngineError, EngineHealth, EngineLoad, make_adapter
 from worker_shim.adapters import silence as silence_module
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.request_service import RequestService
@@ -343,3 +343,34 @@ def test_a_stall_of_the_shims_own_after_a_legs_output_is_taken_off_that_output_t
         clock[0] = 10.0
         said = watchdog.look(10.0, None, None, None)
         assert said is None, f"the shim's own stall was counted as the engine's: {said}"
+
+
+def test_a_stall_of_the_shims_own_after_a_fresh_reading_is_not_taken_off_the_engines_still_time() -> None:
+    """The engine's counters stood still from 0 s to a fresh reading at 9.5 s (limit 9.3 s), the
+    shim's loop still 9.6-10 s: judged hung at 10 s. 6d6a448 took the shim's stalls since the last
+    move off, 0.4 s after the reading included, and counted 9.1 s."""
+    clock = [0.0]
+
+    def own_stall(seconds: float) -> float:  # LoopWatch.stalled_within, on the fake clock
+        return max(min(10.0, clock[0]) - max(9.6, clock[0] - seconds), 0.0)
+
+    silence = SimpleNamespace(answered_at=None, silent_s=lambda _now: 0.0)
+    adapter = SimpleNamespace(pulling={}, waiting_peer=set(), silence=silence)
+    requests = SimpleNamespace(inflight={"leg": SimpleNamespace(writer=None)}, completed=0)
+    watchdog = StallWatchdog(
+        lambda: cast(RequestService, requests),
+        lambda: cast(EngineAdapter, adapter),
+        stall_limit_s=9.3,
+        health_interval_s=1.0,
+        engine_url="http://127.0.0.1:1",
+        own_stall=own_stall,
+    )
+    load = cast(
+        EngineLoad,
+        SimpleNamespace(running=1, waiting=0, peer_waiting=0, timing=SimpleNamespace(iterations=5), kv_usage=0.5),
+    )
+    for now in (0.0, 1.0):
+        clock[0] = now
+        assert watchdog.look(now, load, now, None) is None
+    clock[0] = 10.0
+    assert watchdog.look(10.0, load, 9.5, None) is not None, "a stall after the reading was taken off the engine's"
