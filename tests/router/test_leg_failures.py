@@ -129,7 +129,9 @@ async def test_failures_in_one_stalled_stretch_are_counted_once_per_period(caplo
 async def test_requests_failing_on_dead_engines_are_said_once_per_worker(
     cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
-    workers = [await cluster.add_worker("agg") for _ in range(2)]
+    # Health checks 5 s apart: the shims keep their dead engines registered through the 20 requests
+    # (at 0.1 s they deregistered mid-test on a loaded box, and a worker's episode ended with it)
+    workers = [await cluster.add_worker("agg", shim={"health_interval_s": 5.0}) for _ in range(2)]
     router = await cluster.add_ready_router(disagg="never")
     for w in workers:
         await w.sim.stop()  # its port refuses: the shim's leg fails at connect, engine_unavailable
