@@ -105,6 +105,9 @@ async def test_a_router_that_lost_its_lease_registers_anew_and_peers_count_its_b
     await asyncio.gather(request, return_exceptions=True)
 
 
+# Its bound is wall time through real router and sim processes, 40 prompts of 4,096 tokens parsed,
+# hashed and planned on the CPU beside the admission's waits: run serially, off a loaded box.
+@pytest.mark.timing
 async def test_overload_gets_429_with_retry_after_and_admitted_requests_keep_their_ttft(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
