@@ -21,6 +21,7 @@ from protocol.config import MIN_LOAD_PERIOD_S
 from router.dispatch import LEG_FAILED_KINDS
 from router.gap_repair import FailureKind
 from router.ingest_stats import IngestStats
+from router.loop_histogram import LoopHistogram
 from router.replica_sync import SyncStats
 from router.routes import PROBES_NAMED
 from router.sender_budget import LOAD_BURST, LOAD_RATE_PER_S
@@ -615,11 +616,12 @@ class RouterMetrics:
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
         )
-        self.itl = Histogram(
+        # observed per streamed chunk: without prometheus_client's locks (router.loop_histogram)
+        self.itl = LoopHistogram(
             "kvswitch_router_itl_seconds",
             "Inter-token latency; streaming requests only",
-            buckets=_ITL_BUCKETS,
-            registry=self.registry,
+            _ITL_BUCKETS,
+            self.registry,
         )
         self.route = Histogram(
             "kvswitch_router_route_seconds",
@@ -677,8 +679,7 @@ class RouterMetrics:
 
     def observe_itl(self, seconds: float, tokens: int = 1) -> None:
         """`tokens` inter-token gaps of `seconds` each (a chunk carrying several tokens)."""
-        for _ in range(tokens):
-            self.itl.observe(seconds)
+        self.itl.observe(seconds, tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

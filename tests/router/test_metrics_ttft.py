@@ -74,8 +74,8 @@ async def test_ttft_counts_from_arrival_and_upstream_ttft_from_dispatch(
 
 def test_ttft_and_itl_say_they_count_streams_only_and_ttft_where_it_starts() -> None:
     metrics = RouterMetrics(StateFigures)
-    for histogram in (metrics.ttft, metrics.itl):
-        assert "streaming requests only" in histogram._documentation, histogram._documentation
+    for doc in (metrics.ttft._documentation, metrics.itl.documentation):
+        assert "streaming requests only" in doc, doc
     assert "arrival" in metrics.ttft._documentation and "admission wait" in metrics.ttft._documentation
     upstream = metrics.upstream_ttft._documentation
     assert "streaming requests only" in upstream and "kvswitch_router_ttft_seconds" in upstream
