@@ -35,7 +35,9 @@ from runtime import tune_gc
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--engines", type=int, default=32)
     p.add_argument("--speedup", type=float, default=10.0)
     p.add_argument("--duration", type=float, default=20.0, help="wall seconds of load")

@@ -35,7 +35,9 @@ def _rate(fn: Hasher, prompts: list[list[int]], block_size: int, seconds: float)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--seconds", type=float, default=2.0)
     args = ap.parse_args()

@@ -248,7 +248,9 @@ def run_workers(workers: int, args: argparse.Namespace, make_tree: Callable[[], 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--blocks", type=int, default=262_144, help="blocks stored in all, per worker count")
     ap.add_argument("--queries", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)

@@ -488,7 +488,9 @@ def nats_server(pin: bool) -> Iterator[tuple[NatsServer, set[int] | None]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workers", type=int, default=1000)
     ap.add_argument("--blocks", type=int, default=16_384, help="blocks per worker")
     ap.add_argument("--sharing", choices=SHARINGS, default="low")

@@ -92,7 +92,7 @@ def timed(events: list[list[EngineEvent]]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument(
         "--head-first", action="store_true", help="evict each request's first block first: the worst case"

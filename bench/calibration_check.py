@@ -81,7 +81,9 @@ def _workload(name: str) -> tuple[list[WorkItem], int, int, int, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.calibration_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m bench.calibration_check", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--workload", choices=["trace", "multi-turn"], default="trace")
     parser.add_argument("--config", choices=sorted(CONFIGURATIONS), default="slo_aware")
     args = parser.parse_args(argv)

@@ -87,7 +87,9 @@ def measure(duration_s: float, speed: float) -> EventRate:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--duration", type=float, default=600.0, help="simulated seconds of the trace to replay")
     ap.add_argument("--speed", type=float, default=1.0, help="arrival rate as a multiple of the trace's")
     args = ap.parse_args()

@@ -89,7 +89,9 @@ def _child(chunks: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trees", default=".", help="comma-separated checkouts whose router.leg to measure")
     parser.add_argument("--chunks", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=5)

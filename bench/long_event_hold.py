@@ -123,7 +123,9 @@ async def _shim(port: int, tokens: int, rounds: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", type=int, default=32768, help="the prompt's tokens")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)

@@ -54,7 +54,7 @@ async def main(rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=500)
     parser.add_argument("--busy", type=int, default=3, help="spinning processes to run meanwhile")
     args = parser.parse_args()

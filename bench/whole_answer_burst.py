@@ -130,7 +130,9 @@ async def _rounds(server: NatsServer, mb: float, rounds: int, busy_ms: float, co
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument(
         "--mb", type=float, default=193.0, help="the answer's body, MB (193: 130k tokens, prompt_logprobs 20)"
     )

@@ -914,7 +914,7 @@ def _members_state(up: list[bool]) -> str:
 
 def _require_shim_flag(flag: str, why: str) -> None:
     """Refuse at once, naming the flag, when this build's shim lacks one the cluster must pass."""
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     importlib.import_module("worker_shim.cli").add_arguments(parser)
     _, unknown = parser.parse_known_args([flag, "x"])
     if unknown:

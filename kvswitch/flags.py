@@ -20,9 +20,12 @@ class FlagParser(argparse.ArgumentParser):
     """An ArgumentParser whose refusals are one line, `PROG: WHY`, exit status 2 as argparse's.
     `reads_environment`: the command resolves its settings from `KVSWITCH_*` variables too (the
     router and the shim), so a choice flag of a setting names its variable. Subparsers
-    (`kvswitch bench replay`) are of the same class, as argparse makes them."""
+    (`kvswitch bench replay`) are of the same class, as argparse makes them, so they too refuse an
+    abbreviated flag (`--router` for `--routers`): a script must name the flag, whose abbreviation a
+    later flag can make ambiguous or another flag's."""
 
     def __init__(self, *args: Any, reads_environment: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.reads_environment = reads_environment
 

@@ -399,7 +399,7 @@ class _RouterFlags(FlagParser):
 def _unknown_flags(unknown: list[str], router: argparse.ArgumentParser) -> str:
     """Why `unknown` (what neither parser took) is refused, with the nearest flags of either for
     each flag in it."""
-    own = argparse.ArgumentParser()
+    own = argparse.ArgumentParser(allow_abbrev=False)
     add_arguments(own)
     flags = ", ".join(unknown_flags(unknown, long_flags(own, router))) or " ".join(unknown)
     return (
@@ -499,7 +499,7 @@ def _check_shims(spec: ClusterSpec, connection: dict[str, Any]) -> None:
     """Each pool's shim settings, resolved now by the shim's own rules from its argv
     (kvswitch.cluster.shim_argv) and the environment it inherits, as it will resolve them."""
     shim_cli = importlib.import_module("worker_shim.cli")
-    parser = argparse.ArgumentParser(prog="kvswitch shim")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="kvswitch shim")
     shim_cli.add_arguments(parser)
     for role in POOLS:
         if not getattr(spec, role):

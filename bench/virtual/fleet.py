@@ -202,7 +202,7 @@ def check_span(flag: str, items: Sequence[WorkItem], rate: float) -> None:
 def settings_from_args(args: Sequence[str]) -> RouterSettings:
     """RouterSettings from `kvswitch router` flags (a configuration's router_args), defaults for
     the rest; the environment and config files are not read, so a run depends on its flags alone."""
-    parser = _Parser(prog="router settings", add_help=False)
+    parser = _Parser(prog="router settings", add_help=False, allow_abbrev=False)
     add_flags(parser, RouterSettings)
     ns = parser.parse_args(list(args))
     return resolve(RouterSettings, cli=vars(ns), env={})

@@ -170,7 +170,9 @@ def _requests(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.virtual.measure_delays", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m bench.virtual.measure_delays", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--requests", type=_requests, default=200, help=f"at least {MIN_REQUESTS}")
     p.add_argument("--agg", type=int, default=2, help="simulated engines (agg role, 1x)")
     p.add_argument("--routers", type=int, default=2)

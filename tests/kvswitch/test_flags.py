@@ -13,7 +13,7 @@ import pytest
 
 import router.cli
 import runtime
-from kvswitch.cli import main, subcommand_parser
+from kvswitch.cli import SUBCOMMANDS, main, subcommand_parser
 
 
 def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -113,3 +113,46 @@ def test_other_refusals_are_one_line_too(capsys: pytest.CaptureFixture[str]) -> 
         == "kvswitch router: argument --http-port: invalid int value: 'x'"
     )
     assert _refused(["bench"], capsys).startswith("kvswitch bench: the following arguments are required: ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["secrets", "--out", "x", "--router", "2"], "--router (did you mean --routers?)"),
+        (["plan", "--gpus", "4", "--polic", "kv"], "--polic (did you mean --policies?)"),
+        (["bench", "replay", "--spee", "2"], "--spee (did you mean --speed?)"),
+    ],
+)
+def test_an_abbreviated_flag_is_refused(
+    argv: list[str], said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse took `--router 2` as `--routers 2`: an abbreviation a later flag can make ambiguous,
+    or another flag's. Refused, as any unknown flag, naming it (commands that, had the flag been
+    taken, fail rather than start a service)."""
+    monkeypatch.chdir(tmp_path)  # `--out x`, were it taken
+    err = _refused(argv, capsys)
+    help_of = " ".join(argv[:2]) if argv[0] == "bench" else argv[0]
+    unknown = " ".join(argv[-2:])
+    assert (
+        err
+        == f"kvswitch {argv[0]}: unrecognized arguments: {unknown}: {said}; kvswitch {help_of} --help lists its flags"
+    )
+
+
+def _with_subcommands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser, *(p for a in subs for sub in a.choices.values() for p in _with_subcommands(sub))]
+
+
+@pytest.mark.parametrize("name", list(SUBCOMMANDS))
+def test_no_subcommand_takes_an_abbreviation(name: str) -> None:
+    for parser in _with_subcommands(subcommand_parser(name)):
+        assert parser.allow_abbrev is False, parser.prog
+
+
+def test_up_refuses_an_abbreviated_flag_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvswitch up` hands the flags it does not know to its routers' parser: `--router` was its own
+    `--routers` and is neither's."""
+    assert main(["up", "--router", "x"]) == 2  # taken as --routers, `x` was refused, not a cluster started
+    err = capsys.readouterr().err
+    assert err.startswith("kvswitch up: unrecognized arguments: --router x: --router (did you mean --routers?) "), err
