@@ -95,8 +95,9 @@ class ApiKeys:
         scheme, _, presented = authorization.partition(" ")
         if scheme.lower() != "bearer" or not presented:
             return False
+        # The key is what follows "Bearer ", exactly, as vLLM compares it: `Bearer  key` is refused.
         # Never raises: aiohttp hands a byte that is not UTF-8 over as a lone surrogate, which no key equals.
-        candidate = presented.strip().encode("utf-8", "surrogatepass")
+        candidate = presented.encode("utf-8", "surrogatepass")
         ok = False
         for key in self._keys:
             ok |= hmac.compare_digest(candidate, key)

@@ -39,6 +39,17 @@ def test_only_listed_bearer_keys_pass(tmp_path: Path) -> None:
         assert not keys.allows(bad), bad
 
 
+def test_the_key_is_what_follows_bearer_and_one_space_exactly(tmp_path: Path) -> None:
+    """vLLM 0.32 (AuthenticationMiddleware.verify_token) compares what follows the first space
+    with the key: a second space, or a tab, is part of what the client presented."""
+    f = tmp_path / "keys"
+    f.write_text("sk-aaaa\n")
+    keys = ApiKeys(f)
+    assert keys.allows("Bearer sk-aaaa") and keys.allows("BEARER sk-aaaa")
+    for bad in ("Bearer  sk-aaaa", "Bearer \tsk-aaaa", "Bearer sk-aaaa ", "Bearer\tsk-aaaa"):
+        assert not keys.allows(bad), repr(bad)
+
+
 def test_the_file_is_reloaded_when_it_changes_and_a_broken_one_keeps_the_old_keys(tmp_path: Path) -> None:
     f = tmp_path / "keys"
     f.write_text("old-key\n")
