@@ -200,7 +200,8 @@ def openai_errors(metrics: RouterMetrics) -> Callable[..., Any]:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            if request.match_info.http_exception is not None:  # no route: one label, never the raw path
+            # No route, or a wrong method (router.routes raises some 405s itself): one label, never the raw path
+            if request.match_info.http_exception is not None or exc.status == 405:
                 metrics.count_request("unrouted", exc.status)
             what = {404: _no_route(request.path), 405: f"{request.method} is not allowed on {request.path}"}
             err = ApiError(exc.status, what.get(exc.status, exc.reason), close=exc.status == 413)

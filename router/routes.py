@@ -3,7 +3,8 @@
 serve gets the same 405 and `Allow` from each.
 
 A GET route does not answer HEAD, as vLLM's (FastAPI's) do not: a 405 saying `Allow: GET`. /metrics
-does, as Prometheus's app does on vLLM. /ping is vLLM's SageMaker liveness route, GET and POST.
+does, as Prometheus's app does on vLLM. /ping is vLLM's SageMaker liveness route, GET and POST, whose
+405 says `Allow: GET` (ALLOW).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-__all__ = ["METHODS", "PROBES", "PROBES_NAMED", "add_routes"]
+__all__ = ["ALLOW", "METHODS", "PROBES", "PROBES_NAMED", "add_routes"]
 
 METHODS: Mapping[str, tuple[str, ...]] = {
     "/health": ("GET",),
@@ -30,6 +31,10 @@ METHODS: Mapping[str, tuple[str, ...]] = {
     "/debug/index": ("GET",),
     "/debug/workers": ("GET",),
 }
+
+ALLOW: Mapping[str, tuple[str, ...]] = {"/ping": ("GET",)}
+"""A wrong method's `Allow` where it is not the path's METHODS: vLLM's /ping is two FastAPI routes,
+GET's first, and FastAPI's 405 names the first route's methods alone (vLLM 0.32, PUT or HEAD /ping)."""
 
 # Probes and scrapers: answered with no API key, through the drain, at the client-connection cap
 # (router.client_connections) and by the start door.
@@ -49,3 +54,12 @@ def add_routes(app: web.Application, handlers: Mapping[str, Handler]) -> None:
         for method in METHODS[path]:
             # add_route, never add_get: aiohttp's add_get adds a HEAD route of its own
             app.router.add_route(method, path, handler)
+        if path in ALLOW:
+            app.router.add_route("*", path, _refuse(ALLOW[path]))  # after METHODS': theirs match first
+
+
+def _refuse(allow: tuple[str, ...]) -> Handler:
+    async def refuse(request: web.Request) -> web.StreamResponse:
+        raise web.HTTPMethodNotAllowed(request.method, allow)
+
+    return refuse
