@@ -49,6 +49,7 @@ from engine_sim.openai_request import (
     check_mm_kwargs,
     check_request_template,
     check_token_bounds,
+    encode_text,
     parse_body,
     render_chat,
 )
@@ -79,10 +80,10 @@ async def tokenize(request: web.Request) -> web.Response:
         else:
             assert body.prompt is not None  # parse_body refuses a body with neither, as vLLM's union
             text = body.prompt
+        # add_special_tokens: the built-in tokenizer has no special tokens to add (no BOS, like GPT-2's).
+        tokens = encode_text(text)
     except SimRequestError as exc:
         return error_response(exc)
-    # add_special_tokens: the built-in tokenizer has no special tokens to add (no BOS, like GPT-2's).
-    tokens = _tokenizer.encode(text)
     strs = [_tokenizer.piece(t) for t in tokens] if body.return_token_strs else None
     return json_response(fmt.tokenize_response(tokens, srv.config.max_model_len, strs))
 

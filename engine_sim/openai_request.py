@@ -67,6 +67,7 @@ __all__ = [
     "check_request_template",
     "check_token_bounds",
     "completion_call",
+    "encode_text",
     "parse_body",
     "render_chat",
 ]
@@ -74,6 +75,19 @@ __all__ = [
 log = logging.getLogger("engine_sim.http")
 T = TypeVar("T")
 _tokenizer = BuiltinTokenizer()
+
+
+def encode_text(text: str) -> list[int]:
+    """`text`'s ids; a text holding half a UTF-16 pair (JSON's `"\\ud800"`, which JSON decoders
+    take) is a 400, as vLLM's: its tokenizer refuses a str no UTF-8 holds with a TypeError, which
+    its handler answers 400 BadRequestError."""
+    try:
+        return _tokenizer.encode(text)
+    except UnicodeEncodeError as exc:
+        where = f"{text[exc.start]!r} at {exc.start}"
+        raise SimRequestError(f"the text holds a lone UTF-16 surrogate ({where}), which is no UTF-8") from exc
+
+
 _LONG = 2**63
 _DEFAULT_MAX_TOKENS = 16  # CompletionRequest.max_tokens's default, which a null becomes too
 _MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
@@ -468,14 +482,14 @@ def _prompts(raw: Any) -> list[Prompt]:
     prompt of ids ([1, "2"] is [1, 2]). `[]` is a batch of none, which vLLM's renderer refuses
     once its tokenization parameters are checked."""
     if isinstance(raw, str):
-        return [Prompt(_tokenizer.encode(raw), raw)]
+        return [Prompt(encode_text(raw), raw)]
     if raw == []:
         return []
     if isinstance(raw, list):
         if (ids := _strict_ids(raw)) is not None:
             return [Prompt(ids, None)]
         if all(isinstance(item, str) for item in raw):
-            return [Prompt(_tokenizer.encode(item), item) for item in raw]
+            return [Prompt(encode_text(item), item) for item in raw]
         if all(isinstance(item, list) for item in raw):
             batch = [_ids(item) for item in raw]
             if all(ids is not None for ids in batch):
@@ -932,7 +946,7 @@ def chat_call(body: ChatRequest, max_model_len: int, *, model: str, tool_parsing
     text = render_chat(body.messages, add_generation_prompt=add_generation_prompt,
                        continue_final_message=body.continue_final_message, model=model)  # fmt: skip
     logprobs = top if body.logprobs else None
-    call = _call(body, [Prompt(_tokenizer.encode(text), text)], max_model_len, asked, logprobs=logprobs, echo=False)
+    call = _call(body, [Prompt(encode_text(text), text)], max_model_len, asked, logprobs=logprobs, echo=False)
     call.chat = True
     if call.prompt_logprobs is None and body.echo:
         call.prompt_logprobs = top  # vLLM: an echo asks for the prompt's logprobs too

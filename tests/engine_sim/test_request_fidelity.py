@@ -192,3 +192,21 @@ def test_a_prompt_of_the_whole_context_leaves_no_room_for_output() -> None:
 def test_the_whole_context_may_be_asked_for() -> None:
     assert complete({"prompt": [5], "max_tokens": MAX_MODEL_LEN}).max_tokens == [MAX_MODEL_LEN - 1]
     assert complete({"prompt": [5], "truncate_prompt_tokens": MAX_MODEL_LEN}).prompts[0].token_ids == [5]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", '{"model": "sim-llama", "prompt": "a \\ud800 b"}'),
+        ("/v1/chat/completions", '{"model": "sim-llama", "messages": [{"role": "user", "content": "\\udfff"}]}'),
+        ("/tokenize", '{"model": "sim-llama", "prompt": "\\ud800"}'),
+    ],
+)
+async def test_a_lone_surrogate_in_the_text_is_vllms_400(sim: SimServer, path: str, body: str) -> None:
+    """JSON may escape half a UTF-16 pair (`"\\ud800"`); vLLM's stdlib JSON takes it, and its
+    tokenizer refuses a text no UTF-8 can hold, a TypeError its handler answers 400. The sim's
+    answer was a bare 500."""
+    status, out, _ = await post(sim, path, body)
+    assert status == 400, out
+    assert out["error"]["type"] == "BadRequestError" and out["error"]["code"] == 400
+    assert "lone UTF-16 surrogate" in out["error"]["message"]
