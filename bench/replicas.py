@@ -286,15 +286,23 @@ def _check_served(phase: Phase, name: str, n: int) -> None:
 def add_replicas_parser(sub: Any) -> None:
     """Adds `replicas` to `kvswitch bench`'s subcommands (an argparse subparsers object)."""
     p = sub.add_parser("replicas", help="one replica's ceiling on one core, the peer cost, the N-replica model")
-    p.add_argument("--rates", default="10,25,50,100,200", help="ceiling sweep, req/s")
-    p.add_argument("--check-rate", type=float, default=40.0, help="total req/s of the peer-cost and model phases")
-    p.add_argument("--replicas", default="1,2,3", help="replica counts to check the model at (1 first)")
-    p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--speedup", type=float, default=5.0)
-    p.add_argument("--client-isl", type=int, default=128)
-    p.add_argument("--client-osl", type=int, default=16)
+    p.add_argument("--rates", default="10,25,50,100,200", help="ceiling sweep, req/s (default 10,25,50,100,200)")
+    p.add_argument(
+        "--check-rate", type=float, default=40.0, help="total req/s of the peer-cost and model phases (default 40)"
+    )
+    p.add_argument("--replicas", default="1,2,3", help="replica counts to check the model at, 1 first (default 1,2,3)")
+    p.add_argument("--seconds", type=float, default=5.0, help="seconds per phase, each rate and each N (default 5)")
+    p.add_argument("--speedup", type=float, default=5.0, help="engine_sim speed-up (default 5)")
+    p.add_argument("--client-isl", type=int, default=128, help="open-loop client: prompt tokens (default 128)")
+    p.add_argument("--client-osl", type=int, default=16, help="open-loop client: output tokens (default 16)")
     p.add_argument("--core", type=int, default=None, help="CPU to pin the ceiling's router to (default: the last)")
-    p.add_argument("--keep-logs", type=Path, default=None, metavar="DIR")
+    p.add_argument(
+        "--keep-logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep every child's log under DIR/n<N>/, N the replica count (default: not kept)",
+    )
     p.add_argument(
         "--profile",
         type=Path,
