@@ -628,8 +628,8 @@ def add_overhead_parser(sub: Any) -> None:
     p.add_argument("--no-aiperf", action="store_true", help="the open-loop client only")
     p.add_argument("--no-peers", action="store_true", help="leave out sglang-router and vllm-router")
     p.add_argument("--shim-arg", action="append", default=[], help="extra `kvswitch shim` argument (repeat)")
-    p.add_argument("--out-dir", type=Path, default=Path("bench/out"))
-    p.add_argument("--keep-logs", action="store_true")
+    p.add_argument("--out-dir", type=Path, default=Path("bench/out"), help="results and logs (default bench/out)")
+    p.add_argument("--keep-logs", action="store_true", help="keep every child's log under --out-dir")
     p.add_argument(
         "--profile",
         type=Path,

@@ -296,12 +296,11 @@ def add_replicas_parser(sub: Any) -> None:
     p.add_argument("--client-isl", type=int, default=128, help="open-loop client: prompt tokens (default 128)")
     p.add_argument("--client-osl", type=int, default=16, help="open-loop client: output tokens (default 16)")
     p.add_argument("--core", type=int, default=None, help="CPU to pin the ceiling's router to (default: the last)")
+    p.add_argument("--out-dir", type=Path, default=Path("bench/out"), help="--keep-logs' directory (default bench/out)")
     p.add_argument(
         "--keep-logs",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="keep every child's log under DIR/n<N>/, N the replica count (default: not kept)",
+        action="store_true",
+        help="keep every child's log under --out-dir, in replicas-logs-<stamp>/n<N>/ (N: the replica count)",
     )
     p.add_argument(
         "--profile",
@@ -324,12 +323,15 @@ def replicas_main(args: argparse.Namespace) -> int:
     spec = ReplicaSpec(
         rates=rates, check_rate=args.check_rate, replicas=ns,
         seconds=args.seconds, speedup=args.speedup, client_isl=args.client_isl, client_osl=args.client_osl,
-        core=args.core, log_dir=args.keep_logs,
+        core=args.core,
+        log_dir=args.out_dir / f"replicas-logs-{time.strftime('%Y%m%d-%H%M%S')}" if args.keep_logs else None,
         py_spy=find_py_spy(args.py_spy) if args.profile is not None else None,
         profile_dir=args.profile or Path("bench/out/profiles"),
     )  # fmt: skip
     if args.profile is not None and spec.py_spy is None:
         raise ValueError("--profile needs py-spy: `make bench-deps` (or --py-spy PATH)")
+    if spec.log_dir is not None:
+        print(f"logs: {spec.log_dir}", file=sys.stderr, flush=True)
     started = time.monotonic()
     steps = measure_ceiling(spec)
     runs = [measure_replicas(spec, n) for n in spec.replicas]

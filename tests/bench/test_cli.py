@@ -16,6 +16,7 @@ import pytest
 
 from bench.virtual import fleet
 from kvswitch.cli import main
+from kvswitch.cluster import ClusterSpec
 from protocol.config import RouterSettings
 
 DATA = Path(__file__).with_name("data") / "small_results.jsonl"
@@ -390,6 +391,49 @@ def test_a_chaos_overhead_or_replicas_number_out_of_range_is_refused_before_anyt
     err = capsys.readouterr().err
     assert err == f"kvswitch bench {argv[0]}: {message}\n", err
     assert not list(tmp_path.iterdir())
+
+
+def _replicas_clusters(monkeypatch: pytest.MonkeyPatch) -> list[Path | None]:
+    """The log_dir of every cluster `bench replicas` asks for; none starts (a ValueError: exit 2)."""
+    import bench.replicas
+
+    log_dirs: list[Path | None] = []
+
+    def cluster(spec: ClusterSpec) -> None:
+        log_dirs.append(spec.log_dir)
+        raise ValueError("no cluster in this test")
+
+    monkeypatch.setattr(bench.replicas, "LocalCluster", cluster)
+    return log_dirs
+
+
+def test_replicas_keep_logs_is_a_switch_that_keeps_them_under_out_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--keep-logs` took a directory here, where overhead and compare take a switch that keeps the
+    logs under --out-dir: one flag, two meanings."""
+    log_dirs = _replicas_clusters(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "replicas", "--keep-logs", "--out-dir", str(tmp_path / "out")]) == 2
+    [kept] = log_dirs
+    assert kept is not None and kept.name == "n1" and kept.parent.parent == tmp_path / "out"
+    assert kept.parent.name.startswith("replicas-logs-")
+    assert f"logs: {kept.parent}\n" in capsys.readouterr().err
+    assert main(["bench", "replicas"]) == 2
+    assert log_dirs[1:] == [None]
+
+
+def test_replicas_keep_logs_with_a_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An old-style `--keep-logs DIR` fails, where it would otherwise keep the logs somewhere else."""
+    log_dirs = _replicas_clusters(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "replicas", "--keep-logs", str(tmp_path / "logs")])
+    assert exited.value.code == 2
+    assert f"unrecognized arguments: {tmp_path / 'logs'}" in capsys.readouterr().err
+    assert log_dirs == []
 
 
 def test_overhead_with_rates_empty_runs_no_open_loop_phase(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
