@@ -27,7 +27,7 @@ from router.dispatch import Dispatcher
 from router.eligibility import Eligibility
 from router.leg import RoundTrip
 from router.policies import Outcome, Path
-from runtime import nats_flush
+from runtime import cancel_and_wait, nats_flush
 from tests.relay import Relay
 from tests.router.builders import cand, ctx
 from tests.router.conftest import MODEL, Cluster
@@ -265,30 +265,64 @@ async def test_a_stream_in_flight_through_a_hung_nats_fails_as_the_routers_outag
 
 
 async def test_a_stream_through_a_nats_hung_for_less_than_the_wait_goes_on(
-    cluster: Cluster, http: aiohttp.ClientSession, own_nats: NatsServer
+    cluster: Cluster, http: aiohttp.ClientSession, own_nats: NatsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Back within the wait a dropped connection gets (three heartbeats), a hung NATS held the
-    worker's chunks up, lost none: the stream goes on, as through a reconnect."""
+    """A hung NATS held the worker's chunks up past the leg's silence and its asks to resend, and
+    answered the round trip asked before the worker is blamed late, within the wait a dropped
+    connection gets (three heartbeats): the stream goes on, as through a reconnect, no worker
+    blamed. The freeze ends from that ask: a fixed one (0.9 s) ended while the leg still asked
+    to resend (four windows of 0.6 s), so no round trip was asked and the test passed without the
+    change it is about (honest-work audit of 2026-12-07)."""
+    marked: list[str] = []
+    mark = Eligibility.mark_unreachable
+
+    def spy_mark(self: Eligibility, worker: str, why: str) -> None:
+        marked.append(worker)
+        mark(self, worker, why)
+
+    monkeypatch.setattr(Eligibility, "mark_unreachable", spy_mark)
     await cluster.add_worker("agg", speedup=2.0)
     router = await cluster.add_router(disagg="never", stream_heartbeat_s=0.2)
     await cluster.ready(router)
     assert own_nats.proc is not None
+    pid = own_nats.proc.pid
+    asked = asyncio.Event()
+    round_trips: list[RoundTrip] = []
+    answers = router.dispatcher.answers
+
+    async def spy_answers() -> RoundTrip:
+        asked.set()
+        round_trips.append(await answers())
+        return round_trips[-1]
+
+    monkeypatch.setattr(router.dispatcher, "answers", spy_answers)
+
+    async def hang() -> None:
+        with frozen(pid):
+            await until(lambda: stopped(pid), what="nats-server stopped")  # SIGSTOP lands late
+            await asked.wait()
+            await asyncio.sleep(1.5 * 0.2)  # later than a heartbeat, within three
+
     body = {"model": MODEL, "prompt": list(range(40)), "max_tokens": 4000, "stream": True}
     events: list[str] = []
-    async with http.post(router.url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200
-        async for line in resp.content:
-            text = line.decode().strip()
-            if not text.startswith("data: "):
-                continue
-            events.append(text.removeprefix("data: "))
-            if len(events) == 3:
-                with frozen(own_nats.proc.pid):  # past the leg's silence (0.6 s), within its wait after
-                    await asyncio.sleep(0.9)
-            if len(events) == 30:
-                break
+    hanging: list[asyncio.Task[None]] = []
+    try:
+        async with http.post(router.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                text = line.decode().strip()
+                if not text.startswith("data: "):
+                    continue
+                events.append(text.removeprefix("data: "))
+                if len(events) == 3:
+                    hanging.append(asyncio.create_task(hang()))
+                if len(events) == 30:
+                    break
+    finally:
+        await cancel_and_wait(*hanging)  # the stream ended without asking: continued all the same
     assert len(events) == 30 and not [e for e in events if e.startswith('{"error"')], events[-3:]
-    assert router.dispatcher.retries == 0
+    assert round_trips == [RoundTrip.LATE]
+    assert router.dispatcher.retries == 0 and marked == []
 
 
 async def test_a_nats_that_answers_late_is_late_and_no_outage_and_one_that_does_not_is_no_answer(
