@@ -212,8 +212,9 @@ async def test_a_nats_that_answers_every_round_trip_late_excuses_a_dead_worker_o
         c, c.decode_pool[0], None, Path.BYPASS, Outcome.DECLINED_POLICY, "", c.decode_pool, [], key="r1#2"
     )
     try:
-        async with asyncio.timeout(5.0):  # the job's deadline is 30 s: before, it ran into it
-            out = [chunk async for chunk in d.run(job("w1", replans=[retry]))]
+        # Before, it ran into the job's deadline (30 s): the round trips asked and the one retry
+        # say it, not the time it took.
+        out = [chunk async for chunk in d.run(job("w1", replans=[retry]))]
         assert [c.token_ids for c in out] == [[5], [6]]  # w2's answer
         assert d.retries == 1 and unreachable == ["w1"]
         assert len(asked) == 2  # one more window after the first late answer, none after the second
