@@ -145,7 +145,7 @@ class _Collector:
             ),
         ):
             h = HistogramMetricFamily(name, doc, labels=_LABELS)
-            h.add_metric(lv, hist.cumulative(), hist.sum)
+            h.add_metric(lv, hist.buckets(), hist.sum)
             yield h
         yield _cache_config_info(srv)
 

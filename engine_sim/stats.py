@@ -6,11 +6,11 @@ seconds (wall seconds times the speedup), i.e. what the modelled H200 engine wou
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from protocol.histogram import BucketCounts
 
 __all__ = [
     "E2E_BUCKETS",
@@ -43,33 +43,21 @@ def one_two_five_buckets(limit: int) -> tuple[int, ...]:
         scale *= 10
 
 
-class Histogram:
-    __slots__ = ("bounds", "counts", "sum")
+class Histogram(BucketCounts):
+    """vLLM's exposition of the counts: `le` as Python writes a float ("1.0", "+Inf")."""
 
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # last: +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    __slots__ = ()
 
     def copy(self) -> Histogram:
         out = Histogram(self.bounds)
         out.counts, out.sum = list(self.counts), self.sum
         return out
 
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        out, acc = [], 0
-        for bound, c in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            acc += c
-            out.append(("+Inf" if bound == float("inf") else str(float(bound)), float(acc)))
-        return out
+    def buckets(self) -> list[tuple[str, float]]:
+        """(le, cumulative count) pairs, as HistogramMetricFamily.add_metric takes them."""
+        return [
+            (str(float(bound)) if bound != float("inf") else "+Inf", float(acc)) for bound, acc in self.cumulative()
+        ]
 
 
 @dataclass(slots=True)

@@ -1,16 +1,17 @@
 """LoopHistogram: a Prometheus histogram observed from one event loop only, without a lock.
 
 prometheus_client's Histogram takes a mutex for its sum and again for its bucket, and walks its
-bounds one by one, on every observation: 2.2 µs a call, and the router's ITL histogram is observed
-for every streamed chunk (about 4% of the router's busy CPU under a closed-loop stream, py-spy of
-2026-12-07). This one bisects into plain counts. Its exposition is Histogram's: the same samples,
-`_created` included. Observed and collected on the loop that owns it only: the registry's
-collection runs there (RouterMetrics.render_off_loop formats on a thread what was collected).
+bounds one by one, on every observation, and the router's ITL histogram is observed for every
+streamed chunk (its `observe` was the largest of the router's own per-chunk costs, py-spy of
+2026-12-07; docs/benchmarks.md). This one bisects into plain counts (protocol.histogram), a
+chunk's tokens in one call. Its exposition is Histogram's, sample for sample and value for value
+(`_sum` too: one addition per observation), `_created` included. Observed and collected on the
+loop that owns it only: the registry's collection runs there (RouterMetrics.render_off_loop
+formats on a thread what was collected).
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import cast
@@ -20,33 +21,27 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from protocol.histogram import BucketCounts
+
 __all__ = ["LoopHistogram"]
 
 _le = cast(Callable[[float], str], floatToGoString)  # untyped: a bound as Histogram writes it
 
 
-class LoopHistogram:
+class LoopHistogram(BucketCounts):
+    __slots__ = ("_created", "_les", "documentation", "name")
+
     def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry) -> None:
+        super().__init__(tuple(float(b) for b in buckets))
         self.name = name
         self.documentation = documentation
-        self._bounds = tuple(float(b) for b in buckets)
-        self._les = [*(_le(b) for b in self._bounds), "+Inf"]
-        self._counts = [0] * (len(self._bounds) + 1)  # the last: +Inf
-        self._sum = 0.0
+        self._les = [*(_le(b) for b in self.bounds), "+Inf"]
         self._created = time.time()
         registry.register(self)
 
-    def observe(self, amount: float, times: int = 1) -> None:
-        """`times` observations of `amount`."""
-        self._counts[bisect.bisect_left(self._bounds, amount)] += times
-        self._sum += amount * times
-
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation)
-        cumulative, buckets = 0, []
-        for le, count in zip(self._les, self._counts, strict=True):
-            cumulative += count
-            buckets.append((le, float(cumulative)))
-        family.add_metric([], buckets, self._sum)
+        buckets = [(le, float(acc)) for le, (_, acc) in zip(self._les, self.cumulative(), strict=True)]
+        family.add_metric([], buckets, self.sum)
         family.samples.append(Sample(f"{self.name}_created", {}, self._created))
         yield family

@@ -19,8 +19,9 @@ def test_its_exposition_is_prometheus_clients_histogram() -> None:
     mine, theirs = CollectorRegistry(auto_describe=False), CollectorRegistry(auto_describe=False)
     loop = LoopHistogram("x_seconds", "what it is", _BUCKETS, mine)
     ref = Histogram("x_seconds", "what it is", buckets=_BUCKETS, registry=theirs)
-    # on a bound (le is inclusive), between, below the first, past the last
-    for amount, times in ((0.001, 1), (0.01, 2), (0.02, 1), (0.0, 1), (3.0, 1), (0.1, 3)):
+    # on a bound (le is inclusive), between, below the first, past the last; 0.1 ten times is
+    # 0.9999999999999999 added one by one as Histogram does, 1.0 multiplied
+    for amount, times in ((0.001, 1), (0.01, 2), (0.02, 1), (0.0, 1), (3.0, 1), (0.1, 3), (0.1, 10)):
         loop.observe(amount, times)
         for _ in range(times):
             ref.observe(amount)
