@@ -37,6 +37,7 @@ from router.leg import LegError
 from router.metrics import RouterMetrics
 from router.planner import PlanError
 from router.request_path import NO_WORKER_RETRY_S
+from router.routes import ALLOW
 
 if TYPE_CHECKING:
     from router.client_connections import ClientConnections
@@ -200,14 +201,15 @@ def openai_errors(metrics: RouterMetrics) -> Callable[..., Any]:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            # No route, or a wrong method (router.routes raises some 405s itself): one label, never the raw path
-            if request.match_info.http_exception is not None or exc.status == 405:
+            if request.match_info.http_exception is not None:  # no route: one label, never the raw path
                 metrics.count_request("unrouted", exc.status)
             what = {404: _no_route(request.path), 405: f"{request.method} is not allowed on {request.path}"}
             err = ApiError(exc.status, what.get(exc.status, exc.reason), close=exc.status == 413)
             resp = err.response()
             if exc.status == 405 and "Allow" in exc.headers:
-                resp.headers["Allow"] = exc.headers["Allow"]
+                # vLLM's Allow where it is not the path's methods: set here, so no route matches a wrong method
+                allow = ALLOW.get(request.path)
+                resp.headers["Allow"] = ",".join(allow) if allow else exc.headers["Allow"]
             return resp
         except (asyncio.CancelledError, ConnectionError):
             raise

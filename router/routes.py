@@ -34,7 +34,9 @@ METHODS: Mapping[str, tuple[str, ...]] = {
 
 ALLOW: Mapping[str, tuple[str, ...]] = {"/ping": ("GET",)}
 """A wrong method's `Allow` where it is not the path's METHODS: vLLM's /ping is two FastAPI routes,
-GET's first, and FastAPI's 405 names the first route's methods alone (vLLM 0.32, PUT or HEAD /ping)."""
+GET's first, and FastAPI's 405 names the first route's methods alone (vLLM 0.32, PUT or HEAD /ping).
+Set on aiohttp's 405 by the error middleware (router.api_errors.openai_errors), not by a catch-all
+route: that would be a matched route, whose wrong method the `Expect` check would answer first."""
 
 # Probes and scrapers: answered with no API key, through the drain, at the client-connection cap
 # (router.client_connections) and by the start door.
@@ -54,12 +56,3 @@ def add_routes(app: web.Application, handlers: Mapping[str, Handler]) -> None:
         for method in METHODS[path]:
             # add_route, never add_get: aiohttp's add_get adds a HEAD route of its own
             app.router.add_route(method, path, handler)
-        if path in ALLOW:
-            app.router.add_route("*", path, _refuse(ALLOW[path]))  # after METHODS': theirs match first
-
-
-def _refuse(allow: tuple[str, ...]) -> Handler:
-    async def refuse(request: web.Request) -> web.StreamResponse:
-        raise web.HTTPMethodNotAllowed(request.method, allow)
-
-    return refuse

@@ -163,6 +163,18 @@ async def test_an_unknown_route_or_a_wrong_method_is_its_404_or_405_whatever_its
     assert all(_count(router, endpoint, 417) == 0 for endpoint in ("completions", UNCOUNTED))
 
 
+async def test_a_wrong_method_on_ping_is_its_405_saying_allow_get_whatever_its_expectation(cluster: Cluster) -> None:
+    """/ping's 405 says `Allow: GET` (router.routes.ALLOW); until 2026-12-07 a catch-all route said it,
+    a matched route, so an unsupported Expect was answered first: a 417 counted as endpoint="expect"."""
+    router = await _router(cluster)
+    for method in ("PUT", "DELETE"):
+        for expect in ("foo", "100-continue"):
+            got = await _first_answer(router, "/ping", {"Expect": expect}, None, method)
+            _error(got, 405)
+            assert b"\r\nallow: get\r\n" in got[0].lower(), (method, expect, got[0])
+    assert _count(router, "unrouted", 405) == 4 and _count(router, UNCOUNTED, 417) == 0
+
+
 async def test_an_unsupported_expectation_without_an_api_key_is_401_on_any_route(
     cluster: Cluster, tmp_path: Path
 ) -> None:
