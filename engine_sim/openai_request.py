@@ -84,7 +84,9 @@ def encode_text(text: str) -> list[int]:
     try:
         return _tokenizer.encode(text)
     except UnicodeEncodeError as exc:
-        where = f"{text[exc.start]!r} at {exc.start}"
+        # exc.start is within the tokenizer's regex piece, not the text: find the surrogate in the text
+        at = next(i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff")
+        where = f"{text[at]!r} at {at}"
         raise SimRequestError(f"the text holds a lone UTF-16 surrogate ({where}), which is no UTF-8") from exc
 
 

@@ -210,3 +210,11 @@ async def test_a_lone_surrogate_in_the_text_is_vllms_400(sim: SimServer, path: s
     assert status == 400, out
     assert out["error"]["type"] == "BadRequestError" and out["error"]["code"] == 400
     assert "lone UTF-16 surrogate" in out["error"]["message"]
+
+
+async def test_a_lone_surrogates_position_is_its_index_in_the_text(sim: SimServer) -> None:
+    """The tokenizer encodes the text a regex piece at a time, its UnicodeEncodeError's offset within
+    the piece: until 2026-12-07 "a \\ud800 b" was said to hold ('a' at 0)."""
+    status, out, _ = await post(sim, "/v1/completions", '{"model": "sim-llama", "prompt": "a \\ud800 b"}')
+    assert status == 400, out
+    assert "('\\ud800' at 2)" in out["error"]["message"], out
