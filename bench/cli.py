@@ -30,6 +30,7 @@ import msgspec
 from bench.flag_numbers import check_non_negative, check_positive, positive_numbers
 from bench.overhead import add_overhead_parser, overhead_main
 from bench.replicas import add_replicas_parser, replicas_main
+from bench.results_file import check_out_dir
 from bench.stop_signals import signals_unwind
 from bench.summary import PrefixCounters, Slo, format_summary, results_clock, scrape_prefix_counters, summarize
 from bench.trace import TraceError, selected_records, shipped_trace
@@ -39,7 +40,7 @@ from protocol.config import url_problem
 from protocol.timing import check_speedup
 from worker_shim.credit_check import SHORT_BELOW, CreditCheck
 
-__all__ = ["DEMO", "add_arguments", "check_out", "check_out_dir", "run"]
+__all__ = ["DEMO", "add_arguments", "check_out", "run"]
 
 OUT_DIR = Path("bench/out")
 
@@ -382,18 +383,6 @@ def _replay_out(args: argparse.Namespace) -> Path:
     """Where a replay writes, checked once the replay's own flags passed (a refused command
     creates nothing)."""
     return check_out("--out", args.out or OUT_DIR / f"replay-{_stamp()}.jsonl")
-
-
-def check_out_dir(flag: str, out_dir: Path) -> None:
-    """A directory written into after the run: created, or refused, before it."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ValueError(f"{flag} {out_dir}: not a directory") from None
-    except OSError as exc:
-        raise ValueError(f"{flag} {out_dir}: cannot create it: {exc.strerror or exc}") from None
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {out_dir}: not writable")
 
 
 def _check_slo(args: argparse.Namespace) -> None:

@@ -51,6 +51,7 @@ from bench.overhead import (
     reset_prefix_caches,
     run_client,
 )
+from bench.results_file import check_out_dir
 from bench.stop_signals import held
 from kvswitch.cluster import ClusterSpec, LocalCluster
 from protocol.timing import check_speedup
@@ -320,6 +321,8 @@ def replicas_main(args: argparse.Namespace) -> int:
     for flag, value in (("--check-rate", args.check_rate), ("--seconds", args.seconds), ("--speedup", args.speedup)):
         check_positive(flag, value)
     check_speedup(args.speedup, "--speedup")  # its shims register the sims' profile at it
+    if args.keep_logs:
+        check_out_dir("--out-dir", args.out_dir)  # here, not as a cluster's --log-dir it does not have
     spec = ReplicaSpec(
         rates=rates, check_rate=args.check_rate, replicas=ns,
         seconds=args.seconds, speedup=args.speedup, client_isl=args.client_isl, client_osl=args.client_osl,

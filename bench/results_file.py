@@ -20,9 +20,21 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-__all__ = ["ResultsFile", "fresh_path"]
+__all__ = ["ResultsFile", "check_out_dir", "fresh_path"]
 
 T = TypeVar("T")
+
+
+def check_out_dir(flag: str, out_dir: Path) -> None:
+    """A directory written into after the run: created, or refused, before it."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"{flag} {out_dir}: not a directory") from None
+    except OSError as exc:
+        raise ValueError(f"{flag} {out_dir}: cannot create it: {exc.strerror or exc}") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {out_dir}: not writable")
 
 
 def fresh_path(directory: Path, prefix: str, suffix: str) -> Path:

@@ -436,6 +436,21 @@ def test_replicas_keep_logs_with_a_directory_is_refused(
     assert log_dirs == []
 
 
+def test_replicas_keep_logs_under_an_out_dir_it_cannot_write_is_refused_naming_out_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was refused once a cluster started, naming `--log-dir`, a flag `bench replicas` lacks,
+    after a `logs:` line naming a directory never made (review of 725dcd0)."""
+    log_dirs = _replicas_clusters(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    assert main(["bench", "replicas", "--keep-logs", "--out-dir", str(tmp_path / "afile" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out-dir {tmp_path / 'afile' / 'out'}: cannot create it" in err, err
+    assert "--log-dir" not in err and "logs:" not in err
+    assert log_dirs == []
+
+
 def test_overhead_with_rates_empty_runs_no_open_loop_phase(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--rates ''`, as docs/benchmarks.md's runs give it, skips the open-loop client: 9db9c81's
     check of the rates refused it (`--rates: comma-separated numbers, got ''`)."""
