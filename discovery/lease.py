@@ -21,6 +21,7 @@ from etcd3aio._protobuf import LeaseKeepAliveRequest, LeaseRevokeRequest, LeaseS
 
 from discovery.answer_deadline import StalledPast, answer_within
 from discovery.auth_token import rejects_token
+from discovery.next_pick import HURRY_S, next_pick_wait
 from runtime import cancel_and_wait
 
 __all__ = ["MIN_LEASE_TTL", "Lease", "LeaseLost", "LeaseState", "renewal_interval"]
@@ -28,14 +29,6 @@ __all__ = ["MIN_LEASE_TTL", "Lease", "LeaseLost", "LeaseState", "renewal_interva
 log = logging.getLogger(__name__)
 RETRY_MIN_S = 0.1
 RETRY_MAX_S = 1.0
-# A stream opened after one went unanswered waits HURRY_S for its first answer, HURRY_TRIES such
-# streams in a row, then doubling up to answer_deadline, so a slow etcd is still waited for in the
-# end. Doubling at once (0.25, 0.5, 1 s) fit 3 streams in the 1 s a 2 s TTL leaves, and a lease
-# whose three all went to the hung member was lost (1 run of 3); doubling only once the TTL had
-# passed gave up every stream of an etcd answering in 0.35 s until then: a 10 s lease went 10.5 s
-# unrenewed (reviews of 2026-12-07).
-HURRY_S = 0.25
-HURRY_TRIES = 3
 # etcd grants no TTL under 1.5 election timeouts, rounded up: 2 s at its default 1 s (etcd 3.4
 # grants 2 where 1 is asked, 5 under --election-timeout 3000); a shorter one asked is refused, never
 # raised behind the owner's back (Discovery.grant).
@@ -198,7 +191,8 @@ class Lease:
         # next stream (another member, the channel's balancer going round) renews in time.
         patience = answer_deadline(self.ttl)
         # After one went unanswered, the balancer may pick the hung member again: a healthy one
-        # answers a new stream at once, so wait less for its first answer, several tries in the TTL.
+        # answers a new stream at once, so wait less for its first answer, several tries in the TTL
+        # (discovery.next_pick; a silent watch's re-read waits so too).
         wait = min(self._hurry, patience) if self._hurry else patience
         answers = aiter(call)
         try:
@@ -218,9 +212,7 @@ class Lease:
                     stalled = exc.stalled_s if isinstance(exc, StalledPast) else 0.0
                     self._unreachable(f"no keep-alive answer in {wait:.1f}s", stalled)
                     self._given_up += 1
-                    # Doubled from the last wait, not 2 ** given_up: after ~1,000 give-ups in a row
-                    # that float overflowed and the keep-alive task died, the lease unknown for good.
-                    self._hurry = HURRY_S if self._given_up <= HURRY_TRIES else min(wait * 2, patience)
+                    self._hurry = next_pick_wait(self._given_up, wait, patience)
                     return True
                 wait, self._hurry, self._given_up = patience, 0.0, 0
                 if resp.TTL <= 0:

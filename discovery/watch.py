@@ -15,6 +15,7 @@ held in a `ReadHealth`, for a health check to name while the consumer holds a st
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -28,6 +29,7 @@ from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchResponse
 from discovery.advice import CALL_FAILED, advice
 from discovery.answer_deadline import StalledPast, answer_within
 from discovery.lease import said
+from discovery.next_pick import next_pick_wait
 from protocol import subjects
 
 __all__ = [
@@ -51,6 +53,7 @@ PAGE = 256  # keys one read asks for: 256 worker records are ~0.5 MB, far below 
 # the workers that registered anew unseen, their load reports dropped and requests refused.
 READ_RETRY_MAX_S = 1.0
 STALL_S = 5.0  # a read failing for longer is named (ReadHealth.trouble): an etcd restart takes less
+READ_S = 5.0  # a read's wait for etcd's answer, each page's (_read: less at first after a silent stream)
 # What gRPC's client says of an answer over its receive limit (etcd says RESOURCE_EXHAUSTED too,
 # for "too many requests", which a smaller page does not cure).
 _TOO_LARGE = "larger than max"
@@ -152,7 +155,7 @@ async def watch_prefix(
     silent = False  # a watch went unanswered, said once until one is answered again
     while True:
         revision, kvs, too_large = await read_retried(
-            lambda: _pages(client, start, end),
+            functools.partial(_read, client, start, end, hurried=silent),
             f"watch {prefix}",
             errors=(EtcdError, TimeoutError, grpc.aio.AioRpcError),
             first_s=retry_s,
@@ -316,10 +319,32 @@ async def read_retried(
         return got
 
 
-async def _pages(client: Etcd3Client, start: bytes, end: bytes) -> tuple[int, list[KeyValue], dict[bytes, str]]:
+async def _read(
+    client: Etcd3Client, start: bytes, end: bytes, hurried: bool
+) -> tuple[int, list[KeyValue], dict[bytes, str]]:
+    """_pages, each page given READ_S for its answer; after a silent stream (`hurried`), first the
+    short waits of a lease's stream after one went unanswered (discovery.next_pick), the read made
+    again at once after each: the silent stream's member may be hung and still take the balancer's
+    pick, which the channel's other calls (a router's other watches and reads) move round. There the
+    read waited out READ_S, the change it brought seen 8 s late (review of 2026-12-07)."""
+    given_up = 1 if hurried else 0  # the silent stream: the first call etcd left unanswered
+    wait = next_pick_wait(given_up, SILENT_S, READ_S) if hurried else READ_S
+    while wait < READ_S:
+        try:
+            return await _pages(client, start, end, wait)
+        except TimeoutError:
+            given_up += 1
+            wait = next_pick_wait(given_up, wait, READ_S)
+    return await _pages(client, start, end, READ_S)
+
+
+async def _pages(
+    client: Etcd3Client, start: bytes, end: bytes, wait: float
+) -> tuple[int, list[KeyValue], dict[bytes, str]]:
     """(revision, keys, keys left out -> why): [start, end) as of the first page's revision, in
-    pages of PAGE keys at most. After a page too large for gRPC's receive limit, one key at a time,
-    doubling after each page that fits; a value too large even alone is left out, with why."""
+    pages of PAGE keys at most, each given `wait` s for its answer. After a page too large for
+    gRPC's receive limit, one key at a time, doubling after each page that fits; a value too large
+    even alone is left out, with why."""
     kv = client.kv
     assert kv is not None
     kvs: list[KeyValue] = []
@@ -327,7 +352,7 @@ async def _pages(client: Etcd3Client, start: bytes, end: bytes) -> tuple[int, li
     revision, key, limit = 0, start, PAGE
     while True:
         try:
-            resp = await kv.get(key, end, revision=revision, limit=limit, timeout=5.0)
+            resp = await kv.get(key, end, revision=revision, limit=limit, timeout=wait)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or _TOO_LARGE not in (exc.details() or ""):
                 raise
@@ -335,7 +360,7 @@ async def _pages(client: Etcd3Client, start: bytes, end: bytes) -> tuple[int, li
                 limit = 1
                 continue
             # The next key's value alone is over the limit: name it from a read of its key alone.
-            resp = await kv.get(key, end, revision=revision, limit=1, keys_only=True, timeout=5.0)
+            resp = await kv.get(key, end, revision=revision, limit=1, keys_only=True, timeout=wait)
             revision = revision or resp.header.revision
             if not resp.kvs:  # deleted before the first page pinned a revision
                 return revision, kvs, too_large
