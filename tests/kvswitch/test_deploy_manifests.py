@@ -593,6 +593,8 @@ def test_no_service_joins_the_network_namespace_of_one_that_can_restart(files: l
         # so its restart policy acts only as the daemon starts, with every container of the worker
         assert owner["entrypoint"] == ["sleep", "infinity"] and owner.get("init") is True, f"{name} joins {mode}"
         assert "network_mode" not in owner and "command" not in owner, mode
+        # and it starts with the daemon, so that a reboot brings its engine and shim back (8b2053a)
+        assert owner.get("restart") == "unless-stopped", mode
         owners.add(mode)
     # every engine and its shim share a namespace of that kind, one per worker
     shims = [s for s in started.values() if s.get("command", [None])[0] == "shim"]
