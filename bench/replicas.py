@@ -321,8 +321,6 @@ def replicas_main(args: argparse.Namespace) -> int:
     for flag, value in (("--check-rate", args.check_rate), ("--seconds", args.seconds), ("--speedup", args.speedup)):
         check_positive(flag, value)
     check_speedup(args.speedup, "--speedup")  # its shims register the sims' profile at it
-    if args.keep_logs:
-        check_out_dir("--out-dir", args.out_dir)  # here, not as a cluster's --log-dir it does not have
     spec = ReplicaSpec(
         rates=rates, check_rate=args.check_rate, replicas=ns,
         seconds=args.seconds, speedup=args.speedup, client_isl=args.client_isl, client_osl=args.client_osl,
@@ -333,6 +331,8 @@ def replicas_main(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if args.profile is not None and spec.py_spy is None:
         raise ValueError("--profile needs py-spy: `make bench-deps` (or --py-spy PATH)")
+    if args.keep_logs:  # last: a command refused before creates nothing
+        check_out_dir("--out-dir", args.out_dir)  # here, not as a cluster's --log-dir it does not have
     if spec.log_dir is not None:
         print(f"logs: {spec.log_dir}", file=sys.stderr, flush=True)
     started = time.monotonic()

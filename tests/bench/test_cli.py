@@ -451,6 +451,20 @@ def test_replicas_keep_logs_under_an_out_dir_it_cannot_write_is_refused_naming_o
     assert log_dirs == []
 
 
+def test_replicas_refused_for_another_flag_creates_no_out_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A refusal after --out-dir was made left the directory behind (review of de87d09)."""
+    log_dirs = _replicas_clusters(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no py-spy anywhere
+    out = tmp_path / "out"
+    argv = ["bench", "replicas", "--keep-logs", "--out-dir", str(out), "--profile", str(tmp_path / "p")]
+    assert main(argv) == 2
+    assert "--profile needs py-spy" in capsys.readouterr().err
+    assert not out.exists() and log_dirs == []
+
+
 def test_overhead_with_rates_empty_runs_no_open_loop_phase(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--rates ''`, as docs/benchmarks.md's runs give it, skips the open-loop client: 9db9c81's
     check of the rates refused it (`--rates: comma-separated numbers, got ''`)."""
