@@ -443,6 +443,13 @@ class Discovery:
 
     # --- watches --------------------------------------------------------------------------------
 
+    def _others_may_answer(self) -> bool:
+        """Whether another member may answer a call one left unanswered (watch_prefix's `hurry`): a
+        list of several addresses, or a DNS name (how many members it resolves to is unknown); not a
+        list of one, which every pick of the channel gives the same member."""
+        version, addresses = self.settings.members()
+        return version is None or len(addresses) > 1
+
     @staticmethod
     def _parser(kind: type[M]) -> Callable[[bytes], M]:
         """A value's parser for watch_prefix: ProtocolError (a ValueError) skips a malformed one."""
@@ -462,6 +469,7 @@ class Discovery:
             log_skipped=False,
             leased=True,
             health=health,
+            hurry=self._others_may_answer(),
         )
 
     def watch_routers(self) -> AsyncGenerator[WatchEvent[RouterInfo], None]:
@@ -476,6 +484,7 @@ class Discovery:
             self._parser(RouterInfo),
             failed=self._failed,
             log_skipped=False,
+            hurry=self._others_may_answer(),
         )
 
     async def readable(self, prefix: str) -> bool:
@@ -550,11 +559,19 @@ class Discovery:
     def watch_raw(self, prefix: str) -> AsyncGenerator[WatchEvent[bytes], None]:
         """The raw values under `prefix`, named by what follows it: for tests and debugging (no
         kvswitch process watches a prefix it does not decode)."""
-        return watch_prefix(self.client, prefix, lambda raw: raw, failed=self._failed)
+        return watch_prefix(self.client, prefix, lambda raw: raw, failed=self._failed, hurry=self._others_may_answer())
 
     def watch_key(self, key: str, health: ReadHealth | None = None) -> AsyncGenerator[WatchEvent[bytes], None]:
         """The raw value of `key` alone (named ""): keys it is a prefix of are not read."""
-        return watch_prefix(self.client, key, lambda raw: raw, failed=self._failed, exact=True, health=health)
+        return watch_prefix(
+            self.client,
+            key,
+            lambda raw: raw,
+            failed=self._failed,
+            exact=True,
+            health=health,
+            hurry=self._others_may_answer(),
+        )
 
     async def put_raw(self, key: str, value: bytes) -> None:
         await self._put(key, value)

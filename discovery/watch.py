@@ -15,10 +15,10 @@ held in a `ReadHealth`, for a health check to name while the consumer holds a st
 from __future__ import annotations
 
 import asyncio
-import functools
+import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeAlias, TypeVar
 
@@ -53,7 +53,7 @@ PAGE = 256  # keys one read asks for: 256 worker records are ~0.5 MB, far below 
 # the workers that registered anew unseen, their load reports dropped and requests refused.
 READ_RETRY_MAX_S = 1.0
 STALL_S = 5.0  # a read failing for longer is named (ReadHealth.trouble): an etcd restart takes less
-READ_S = 5.0  # a read's wait for etcd's answer, each page's (_read: less at first after a silent stream)
+READ_S = 5.0  # a read's wait for etcd's answer, each page's (_waits: less at first after a silent stream)
 # What gRPC's client says of an answer over its receive limit (etcd says RESOURCE_EXHAUSTED too,
 # for "too many requests", which a smaller page does not cure).
 _TOO_LARGE = "larger than max"
@@ -131,6 +131,7 @@ async def watch_prefix(
     exact: bool = False,
     leased: bool = False,
     health: ReadHealth | None = None,
+    hurry: bool = True,
 ) -> AsyncGenerator[WatchEvent[V], None]:
     """Names are keys with the prefix cut off; a key that is not UTF-8 (anyone who may write
     under the prefix can put one) is named with its bad bytes escaped (`\\xff`), a name no id
@@ -139,7 +140,9 @@ async def watch_prefix(
     the event says why; `log_skipped` logs each one naming its key (a consumer that reports them
     itself passes False). `exact`: watch the key `prefix` alone (named ""), not the keys under it.
     `leased`: a key held by no lease is skipped as a value that does not parse (NO_LEASE). `health`
-    says while the read fails (ReadHealth).
+    says while the read fails (ReadHealth). `hurry`: the read after a silent stream tries short
+    waits first (_waits), where another member may answer; False for a client of one member, whose
+    next pick is the hung one again (the short waits put the read's failure 8 s later).
 
     Survives etcd restarts, lost data and cancelled watches: whenever the watch has to be made
     again it reads the prefix anew and yields a fresh Snapshot, then watches from that read.
@@ -155,7 +158,7 @@ async def watch_prefix(
     silent = False  # a watch went unanswered, said once until one is answered again
     while True:
         revision, kvs, too_large = await read_retried(
-            functools.partial(_read, client, start, end, hurried=silent),
+            _PagedRead(client, start, end, _waits(silent and hurry)),
             f"watch {prefix}",
             errors=(EtcdError, TimeoutError, grpc.aio.AioRpcError),
             first_s=retry_s,
@@ -319,61 +322,81 @@ async def read_retried(
         return got
 
 
-async def _read(
-    client: Etcd3Client, start: bytes, end: bytes, hurried: bool
-) -> tuple[int, list[KeyValue], dict[bytes, str]]:
-    """_pages, each page given READ_S for its answer; after a silent stream (`hurried`), first the
-    short waits of a lease's stream after one went unanswered (discovery.next_pick), the read made
-    again at once after each: the silent stream's member may be hung and still take the balancer's
+def _waits(hurried: bool) -> Iterator[float]:
+    """Each try's wait for etcd's answer to a page: READ_S; after a silent stream (`hurried`), first
+    the short waits of a lease's stream after one went unanswered (discovery.next_pick), the silent
+    stream the first call left unanswered: its member may be hung and still take the balancer's
     pick, which the channel's other calls (a router's other watches and reads) move round. There the
     read waited out READ_S, the change it brought seen 8 s late (review of 2026-12-07)."""
-    given_up = 1 if hurried else 0  # the silent stream: the first call etcd left unanswered
-    wait = next_pick_wait(given_up, SILENT_S, READ_S) if hurried else READ_S
-    while wait < READ_S:
-        try:
-            return await _pages(client, start, end, wait)
-        except TimeoutError:
-            given_up += 1
-            wait = next_pick_wait(given_up, wait, READ_S)
-    return await _pages(client, start, end, READ_S)
+    given_up, wait = 1, SILENT_S
+    while hurried and (wait := next_pick_wait(given_up, wait, READ_S)) < READ_S:
+        yield wait
+        given_up += 1
+    yield from itertools.repeat(READ_S)
 
 
-async def _pages(
-    client: Etcd3Client, start: bytes, end: bytes, wait: float
-) -> tuple[int, list[KeyValue], dict[bytes, str]]:
-    """(revision, keys, keys left out -> why): [start, end) as of the first page's revision, in
-    pages of PAGE keys at most, each given `wait` s for its answer. After a page too large for
-    gRPC's receive limit, one key at a time, doubling after each page that fits; a value too large
-    even alone is left out, with why."""
-    kv = client.kv
-    assert kv is not None
-    kvs: list[KeyValue] = []
-    too_large: dict[bytes, str] = {}
-    revision, key, limit = 0, start, PAGE
-    while True:
-        try:
-            resp = await kv.get(key, end, revision=revision, limit=limit, timeout=wait)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or _TOO_LARGE not in (exc.details() or ""):
+class _PagedRead:
+    """read_retried's read of [start, end): (revision, keys, keys left out -> why), as of the first
+    page's revision, in pages of PAGE keys at most, each given the wait of `waits` now (the next
+    after a page times out). A page that times out is asked again, at that revision: at once after
+    a short wait (the next pick may be another member), else on read_retried's next call. Until a
+    review of 2026-12-07 the read began again at page 1, and one of 3 pages or more went to a hung
+    member on a channel balanced round 3 at every try: it never came whole. Any other failure
+    begins it again (etcd may have compacted past the revision, or lost it). After a page too large
+    for gRPC's receive limit, one key at a time, doubling after each page that fits; a value too
+    large even alone is left out, with why."""
+
+    def __init__(self, client: Etcd3Client, start: bytes, end: bytes, waits: Iterator[float]) -> None:
+        self.client, self.start, self.end, self.waits = client, start, end, waits
+        self.wait = next(waits)
+        self._begin()
+
+    def _begin(self) -> None:
+        self.revision, self.key, self.limit = 0, self.start, PAGE
+        self.kvs: list[KeyValue] = []
+        self.too_large: dict[bytes, str] = {}
+
+    async def __call__(self) -> tuple[int, list[KeyValue], dict[bytes, str]]:
+        while True:
+            try:
+                return await self._pages()
+            except TimeoutError:
+                timed_out, self.wait = self.wait, next(self.waits)
+                if timed_out >= READ_S:
+                    raise
+            except Exception:
+                self._begin()
                 raise
-            if limit > 1:
-                limit = 1
+
+    async def _pages(self) -> tuple[int, list[KeyValue], dict[bytes, str]]:
+        kv = self.client.kv
+        assert kv is not None
+        while True:
+            try:
+                resp = await kv.get(self.key, self.end, revision=self.revision, limit=self.limit, timeout=self.wait)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or _TOO_LARGE not in (exc.details() or ""):
+                    raise
+                if self.limit > 1:
+                    self.limit = 1
+                    continue
+                # The next key's value alone is over the limit: name it from a read of its key alone.
+                resp = await kv.get(
+                    self.key, self.end, revision=self.revision, limit=1, keys_only=True, timeout=self.wait
+                )
+                self.revision = self.revision or resp.header.revision
+                if not resp.kvs:  # deleted before the first page pinned a revision
+                    return self.revision, self.kvs, self.too_large
+                big = resp.kvs[0].key
+                self.too_large[big] = f"its value is too large for one read ({said(exc)})"
+                self.key = big + b"\0"
                 continue
-            # The next key's value alone is over the limit: name it from a read of its key alone.
-            resp = await kv.get(key, end, revision=revision, limit=1, keys_only=True, timeout=wait)
-            revision = revision or resp.header.revision
-            if not resp.kvs:  # deleted before the first page pinned a revision
-                return revision, kvs, too_large
-            big = resp.kvs[0].key
-            too_large[big] = f"its value is too large for one read ({said(exc)})"
-            key = big + b"\0"
-            continue
-        revision = revision or resp.header.revision
-        kvs.extend(resp.kvs)
-        if not resp.more or not resp.kvs:
-            return revision, kvs, too_large
-        key = resp.kvs[-1].key + b"\0"
-        limit = min(limit * 2, PAGE)
+            self.revision = self.revision or resp.header.revision
+            self.kvs.extend(resp.kvs)
+            if not resp.more or not resp.kvs:
+                return self.revision, self.kvs, self.too_large
+            self.key = resp.kvs[-1].key + b"\0"
+            self.limit = min(self.limit * 2, PAGE)
 
 
 def _parsed(parse: Callable[[bytes], V], kv: KeyValue, leased: bool) -> V:

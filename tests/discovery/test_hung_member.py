@@ -14,7 +14,7 @@ import re
 import signal
 import time
 import urllib.request
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -22,6 +22,7 @@ import pytest
 
 import discovery.lease as lease_module
 import discovery.session as session_module
+import discovery.watch as watch_module
 from discovery import Deleted, Discovery, Lease, LeaseState, Snapshot, WatchEvent
 from discovery.lease import MIN_LEASE_TTL
 from discovery.watch import SILENT_S
@@ -128,21 +129,41 @@ async def test_a_watch_whose_re_read_the_balancer_sends_to_the_hung_member_sees_
     # balancer's pick for the watch's re-read is anyone's. Two reads on, it is the hung member's: the
     # re-read waited out its 5 s deadline there (or gRPC's keepalive, 8 s from the connect), the
     # change seen 8 s after the delete (3 runs of 5, review of 2026-12-07). It now waits 0.25 s, as a
-    # lease's next stream does. gRPC's pings are kept out of it: its bandwidth probe's, one in flight
-    # as the member stops, ended the stream in 2 s (the test above allows it), and its keepalive's
-    # drop of the member, timed from the connect, cut the re-read's wait short in some runs.
-    monkeypatch.setitem(session_module._KEEPALIVE, "grpc.http2.bdp_probe", 0)
-    monkeypatch.setitem(session_module._KEEPALIVE, "grpc.keepalive_time_ms", 60_000)
+    # lease's next stream does. gRPC's pings are kept out of it (the test above allows them).
+    _pings_kept_out(monkeypatch)
     await _sees_a_change_made_elsewhere(cluster, ns, caplog, reads_between=2)
 
 
+async def test_a_watch_whose_re_read_takes_pages_from_every_member_sees_a_change_made_elsewhere(
+    cluster: EtcdCluster, ns: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A read of 3 pages or more, balanced round 3 members, put a page on the hung member at every
+    # try, and a page that timed out began the read again at page 1: it never came whole (700 keys
+    # at 256 a page: nothing in 30 s; review of 2026-12-07). Now that page alone is asked again, at
+    # the read's revision. 2 keys a page make 4 pages of 8 keys.
+    _pings_kept_out(monkeypatch)
+    monkeypatch.setattr(watch_module, "PAGE", 2)
+    await _sees_a_change_made_elsewhere(cluster, ns, caplog, reads_between=2, keys=9)
+
+
+def _pings_kept_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gRPC's pings kept out of a test of the balancer's picks: its bandwidth probe's, one in flight
+    as the member stops, ended the stream in 2 s, and its keepalive's drop of the member, timed from
+    the connect, cut a read's wait on it short in some runs."""
+    monkeypatch.setitem(session_module._KEEPALIVE, "grpc.http2.bdp_probe", 0)
+    monkeypatch.setitem(session_module._KEEPALIVE, "grpc.keepalive_time_ms", 60_000)
+
+
 async def _sees_a_change_made_elsewhere(
-    cluster: EtcdCluster, ns: str, caplog: pytest.LogCaptureFixture, reads_between: int
+    cluster: EtcdCluster, ns: str, caplog: pytest.LogCaptureFixture, reads_between: int, keys: int = 1
 ) -> None:
     """A watch whose stream a hung member holds sees a key deleted through the others within 6 s,
-    with `reads_between` reads of its client made between the watch's stream and its re-read."""
+    with `reads_between` reads of its client made between the watch's stream and its re-read, and
+    `keys` keys under the prefix."""
     async with Discovery(EtcdSettings(endpoints=cluster.urls).validate(), ns) as d:
         await d.put_raw(f"/{ns}/w/a", b"1")
+        for i in range(keys - 1):
+            await d.put_raw(f"/{ns}/w/k{i}", b"1")
         # The balancer's picks in a fixed order: the stream's member, then the next, and round.
         await _balanced(cluster, d)
         watch: AsyncGenerator[WatchEvent[bytes], None] = d.watch_raw(f"/{ns}/w/")
@@ -172,6 +193,61 @@ async def _sees_a_change_made_elsewhere(
         assert said == [f"watch /{ns}/w/: no answer from etcd in 3s; re-reading and watching again"] or (
             len(said) == 1 and said[0].startswith(f"watch /{ns}/w/: UNAVAILABLE: ") and "ping" in said[0]
         ), said
+
+
+# A silent watch's re-read's waits, its retry's too, where another member may answer: the short
+# ones of discovery.next_pick, then the full 5 s (once that too goes unanswered, the read's failure
+# is said), and a retry goes on at 5 s, not the short ones again.
+_HURRIED = [0.25, 0.25, 0.25, 0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "waits"),
+    [
+        # One member: every pick is the hung one. Its short tries put the read's failure 13.75 s
+        # after the silence, not 5.5 s, and each retry paid them again (review of 2026-12-07).
+        (lambda urls: urls[:1], [5.0, 5.0]),
+        (lambda urls: urls, _HURRIED),
+        (lambda urls: [urls[0].replace("127.0.0.1", "localhost")], _HURRIED),  # a name: members unknown
+    ],
+    ids=["one-member", "three-members", "dns-name"],
+)
+async def test_a_silent_watch_re_reads_with_short_waits_only_where_another_member_may_answer(
+    cluster: EtcdCluster,
+    ns: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    endpoints: Callable[[list[str]], list[str]],
+    waits: list[float],
+) -> None:
+    monkeypatch.setattr(watch_module, "SILENT_S", 0.3)
+    async with Discovery(EtcdSettings(endpoints=endpoints(cluster.urls)).validate(), ns) as d:
+        await d.put_raw(f"/{ns}/w/a", b"1")
+        assert d.client.watch is not None and d.client.kv is not None
+        monkeypatch.setattr(d.client.watch._stub, "Watch", lambda *a, **kw: SilentStream())
+        watch: AsyncGenerator[WatchEvent[bytes], None] = d.watch_raw(f"/{ns}/w/")
+        assert isinstance(await anext(watch), Snapshot)
+        given: list[tuple[float, bool]] = []  # each read's wait, and whether its failure was said before it
+
+        async def unanswered(*args: Any, timeout: float, **kw: Any) -> Any:
+            given.append((timeout, any("reading it failed" in r.getMessage() for r in caplog.records)))
+            await asyncio.sleep(0)
+            raise TimeoutError  # a hung member's answer, once the wait has passed
+
+        monkeypatch.setattr(d.client.kv, "get", unanswered)
+        with caplog.at_level(logging.WARNING, "discovery.watch"):
+            following = asyncio.ensure_future(anext(watch))
+            try:
+                deadline = time.monotonic() + 10
+                while len(given) < len(waits):
+                    assert time.monotonic() < deadline, given
+                    await asyncio.sleep(0.05)
+            finally:
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
+                await watch.aclose()
+        said_before = [False] * (len(waits) - 1) + [True]  # said once the first full wait went unanswered
+        assert given[: len(waits)] == list(zip(waits, said_before, strict=True))
 
 
 class SilentStream:
