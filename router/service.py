@@ -705,8 +705,11 @@ class RouterService:
             await self.loop_watch.stop()
         for part in (self._registry, self._ingest, self._sync, self._dispatcher):
             if part is not None:
-                with steps, contextlib.suppress(Exception):
-                    await part.stop()
+                with steps:
+                    try:
+                        await part.stop()
+                    except Exception:  # a bug: said with its traceback, and the rest of the stop goes on
+                        log.exception("stopping the router's %s failed", type(part).__name__)
         subs, self._load_subs = self._load_subs, None
         if subs is not None:
             with steps:
@@ -1327,7 +1330,9 @@ class RouterService:
         if (problem := self._load_problem(msg.subject, report)) is not None:
             self._load_dropped(msg.subject, problem)
             return
-        info = self._registry.get(report.worker) if self._registry is not None else None
+        if self._registry is None:
+            return  # before the registry starts: every worker is unknown then, none is counted
+        info = self._registry.get(report.worker)
         if info is None:
             self.load_unknown += 1  # not (yet) registered: holding it would let anyone grow our memory
             # not each worker at startup, nor one whose registration lands just after its first reports
