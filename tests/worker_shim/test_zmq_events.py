@@ -590,6 +590,24 @@ async def test_a_live_seq_that_goes_back_is_a_restarted_engine() -> None:
     assert source.stats.restarts == 1 and len(got) == 3
 
 
+async def test_a_seq_back_into_a_replay_long_past_is_a_restarted_engine_not_a_duplicate() -> None:
+    """The window in which a seq at or below the last is a replayed batch's live copy lasts until a
+    live batch past the replay: it never closed, so a restarted engine's seq 2 after the start's
+    rebuild of 0..4 and live batches up to 999 was dropped as a duplicate (module read of
+    2026-12-07), where the restart check is the fallback to the monitor's reconnection."""
+    source = ZmqEventSource("vllm", "tcp://*:5557", "auto", "kv-events", None, "127.0.0.1")
+    source._sub = _QueuedSub([])  # type: ignore[assignment]
+    got: list[EngineBatch] = []
+    rebuild = [(i, _payload(_stored(-1 - i, [i] * 4, -i if i else None))) for i in range(5)]
+    await source._deliver_rebuild(rebuild, collector(got))
+    await _send(source, got, b"kv-events", 4, rebuild[4][1])  # a live copy of the replay's: a duplicate
+    for i in range(5, 9):
+        await _send(source, got, b"kv-events", i, _payload(_stored(-1 - i, [i] * 4, -i)))
+    with pytest.raises(EngineRestarted, match="seq went back from 8 to 2"):
+        await _send(source, got, b"kv-events", 2, _payload(_stored(-20, [7] * 4)))
+    assert (source.stats.duplicates, source.stats.restarts) == (1, 1)
+
+
 async def test_one_malformed_event_is_dropped_alone_counted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     """A malformed event is counted, logged once and dropped (docs/worker_shim.md): its batch's
     other events (vLLM 0.32 maps here) were dropped with it."""

@@ -557,6 +557,8 @@ class ZmqEventSource:
                 self.stats.duplicates += 1  # already delivered by the replay just before
                 return
             raise self._restarted(f"its KV event seq went back from {last} to {seq}")
+        if seq > self._replayed_until >= 0:
+            self._replayed_until = -1  # live past the replay (ZMQ keeps order): no copy of it comes now
         if last is not None and seq > last + 1:
             self.stats.gaps += 1
             await self._fill_gap(last + 1, seq, payload, sink)
