@@ -446,9 +446,9 @@ class Discovery:
     def _others_may_answer(self) -> bool:
         """Whether another member may answer a call one left unanswered (watch_prefix's `hurry`): a
         list of several addresses, or a DNS name (how many members it resolves to is unknown); not a
-        list of one, which every pick of the channel gives the same member."""
+        list of one, which every pick of the channel gives the same member (nor one address twice)."""
         version, addresses = self.settings.members()
-        return version is None or len(addresses) > 1
+        return version is None or len(set(addresses)) > 1
 
     @staticmethod
     def _parser(kind: type[M]) -> Callable[[bytes], M]:

@@ -134,6 +134,7 @@ async def test_a_watch_whose_re_read_the_balancer_sends_to_the_hung_member_sees_
     await _sees_a_change_made_elsewhere(cluster, ns, caplog, reads_between=2)
 
 
+@pytest.mark.timing  # its 6 s bound over ~4 s of silence and short waits (review of c1bbe15)
 async def test_a_watch_whose_re_read_takes_pages_from_every_member_sees_a_change_made_elsewhere(
     cluster: EtcdCluster, ns: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -182,6 +183,9 @@ async def _sees_a_change_made_elsewhere(
                     assert isinstance(event, Deleted | Snapshot) and (
                         isinstance(event, Deleted) or "a" not in event.items
                     ), event
+                    if keys > 1:  # the re-read is the point: whole, every page of one read, none twice
+                        assert isinstance(event, Snapshot), event
+                        assert sorted(event.items) == sorted(f"k{i}" for i in range(keys - 1)), event.items
                     assert time.monotonic() - deleted < 6
         finally:
             following.cancel()
@@ -207,10 +211,11 @@ _HURRIED = [0.25, 0.25, 0.25, 0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
         # One member: every pick is the hung one. Its short tries put the read's failure 13.75 s
         # after the silence, not 5.5 s, and each retry paid them again (review of 2026-12-07).
         (lambda urls: urls[:1], [5.0, 5.0]),
+        (lambda urls: urls[:1] * 2, [5.0, 5.0]),  # one address listed twice is still one member
         (lambda urls: urls, _HURRIED),
         (lambda urls: [urls[0].replace("127.0.0.1", "localhost")], _HURRIED),  # a name: members unknown
     ],
-    ids=["one-member", "three-members", "dns-name"],
+    ids=["one-member", "one-member-twice", "three-members", "dns-name"],
 )
 async def test_a_silent_watch_re_reads_with_short_waits_only_where_another_member_may_answer(
     cluster: EtcdCluster,
