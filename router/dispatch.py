@@ -25,7 +25,9 @@ the leg ends with a `final` chunk or an `error` one.
   asks for its handle early (GenerateRequest.early_transfer): a shim whose engine waits for the
   decode leg (SGLang) sends it before its final chunk, the decode leg goes at once, and
   router.prefill_watch reads the rest of the prefill leg beside it; a failure there before the
-  decode leg shows output cancels that leg, waits for its end, and takes the same ways as above.
+  decode leg shows output cancels that leg, waits for its end, and takes the same ways as above. A
+  decode leg that ends with nothing (an abort: SGLang aborts one whose prefill peer failed, maybe
+  before the prefill leg's error comes) waits for the prefill's verdict, three heartbeats at most.
 - bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
 - a decode/agg leg whose worker dies (no responder, its etcd key gone, silent, a 5xx error chunk)
   or answers 404 (an adapter unloaded there) before the first token is retried once on the
@@ -225,6 +227,13 @@ def _ends_leg(msg: Msg) -> bool:
 def _output(chunk: ResponseChunk) -> bool:
     """The chunk carries something a client would see."""
     return bool(chunk.token_ids or chunk.events or chunk.body)
+
+
+def _served(leg: Leg, final: ResponseChunk) -> bool:
+    """A leg that ended with `final` (no error) prefilled its prompt: not an abort with no output and
+    no `prefilled` before it, which may have prefilled nothing (SGLang's abort before prefill, its
+    abort after its prefill peer failed, the shim's answer to a cancel that came first)."""
+    return final.finish_reason != "abort" or leg.tokens_seen or leg.prefilled
 
 
 def _generated(chunk: ResponseChunk) -> bool:
@@ -576,9 +585,7 @@ class Dispatcher:
             leg.finished = True
             # Not at an error: a retry or the KV-transfer fallback books the request again.
             if chunk.error is None:
-                # An abort with no output and no `prefilled` before it may have prefilled nothing
-                # (SGLang's abort before prefill, the shim's answer to a cancel that came first)
-                leg.end(chunk.finish_reason != "abort" or leg.tokens_seen or leg.prefilled)
+                leg.end(_served(leg, chunk))
         elif leg.request.stream:  # a whole answer is read as it comes
             if leg.queued > MAX_QUEUED_BYTES:
                 await self._slow_reader(leg)
@@ -1036,10 +1043,15 @@ class Dispatcher:
             else self._on_pull(plan.decode.worker, self._prefilled_on(job.transfer, plan))
         )
         unjudged = job.transfer is not None  # the pull, until the leg shows it worked
+
+        def ended(served: bool) -> None:
+            # A watched leg's abort with nothing before it waits for its prefill's verdict: a failure
+            # there falls back, and the fallback's bypass leg keeps the attempt's booking (run frees it)
+            if served or watch is None:
+                self._free(job, served=served)
+
         try:
-            async with await self._open(
-                plan.decode.worker, role, leg_req, job.deadline, lambda served: self._free(job, served=served)
-            ) as leg:
+            async with await self._open(plan.decode.worker, role, leg_req, job.deadline, ended) as leg:
                 if watch is not None:
                     await watch.feeding(leg)
                 while True:
@@ -1051,6 +1063,13 @@ class Dispatcher:
                         raise _PrefillFailed from None  # it ended on its own meanwhile
                     if watch is not None and watch.cut_at is not None:  # its prefill failed: cut
                         await _cut_short(leg, chunk, job.deadline, silence)
+                        raise _PrefillFailed
+                    # An abort with nothing before it (SGLang aborts a decode request whose prefill peer
+                    # failed, its reply maybe ahead of the prefill leg's): a prefill that failed falls
+                    # back; one that did not, or says nothing within three heartbeats, leaves the abort
+                    # the client's answer.
+                    unserved = watch is not None and chunk.final and chunk.error is None and not _served(leg, chunk)
+                    if unserved and watch is not None and await watch.verdict(silence) is not None:
                         raise _PrefillFailed
                     generated = _generated(chunk)
                     if not generated and job.first_token_at is None and not chunk.final and _output(chunk):

@@ -13,7 +13,12 @@ handle at once, and this watch reads the prefill leg on beside it until its fina
   waits for its end, and takes the bypass path as for any failed remote prefill. Until 2026-12-07
   the router read the handle as the end of the prefill: a prefill the engine refused or failed was
   never heard of, and the client waited on a decode leg for KV that never came.
-- failed after the decode leg showed output: nothing; the KV came.
+- failed after the decode leg showed output, or ended well: nothing; the KV came.
+- a decode leg that ends with nothing (an abort: SGLang aborts a decode request whose prefill peer
+  failed, and its reply may come first) asks for the verdict (`verdict`): a failure falls back as
+  above. Until 2026-12-07 such an abort was the client's empty answer, the prefill's 500 never
+  judged; and one that came with the prefill's failure in one reply batch freed the attempt's
+  booking before the cut, and the fallback booked it again for good (a phantom load on the worker).
 
 A lost NATS connection is no failure here: the decode leg, on the same connection, judges itself.
 A decode leg fed by its handle that ends well (`fed()`) shows the prefill worked, whether or not the
@@ -85,6 +90,14 @@ class PrefillWatch:
         if self.failure is not None:
             await self._cut_decode()
 
+    async def verdict(self, within_s: float) -> LegError | None:
+        """The prefill's failure, once its leg has ended (waited for up to `within_s`); None when it
+        worked, or has not ended by then. For a decode leg that ended with nothing (an abort):
+        its end may be its prefill peer's failure, which is heard of on the prefill leg."""
+        if not self._task.done():
+            await asyncio.wait({self._task}, timeout=within_s)
+        return self.failure
+
     def fed(self) -> None:
         """The decode leg its handle went to ended well: the KV came, so the prefill worked."""
         self._worked()
@@ -131,6 +144,8 @@ class PrefillWatch:
     async def _cut_decode(self) -> None:
         decode = self._decode
         if decode is None or self.cut_at is not None or decode.done or decode.tokens_seen or decode.prefilled:
+            return
+        if decode.finished:  # nothing runs to cancel: a clean end showed the KV came, an abort's reader asks `verdict`
             return
         self.cut_at = time.monotonic()
         await self._cut(decode)

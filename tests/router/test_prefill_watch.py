@@ -230,6 +230,75 @@ async def test_a_prefill_that_fails_after_the_decode_leg_streams_changes_nothing
     assert j.outcome is Outcome.DECLINED_POLICY and d.fallbacks == 0
 
 
+class _OneBatch:
+    """p1 sends its handle, then fails (a 500) in the same reply batch as w1's decode leg ends with
+    `decode_end` (ResponseChunk fields), `prefill_first` or not: SGLang aborts a decode request
+    whose prefill peer failed. w1's bypass leg answers two tokens."""
+
+    def __init__(self, nc: Client, ns: str, decode_end: dict[str, Any], *, prefill_first: bool) -> None:
+        self.prefill, self.decode = Worker(nc, ns, "p1"), Worker(nc, ns, "w1")
+        self._decode_end, self._prefill_first = decode_end, prefill_first
+        self._prefill_leg: asyncio.Future[tuple[Msg, GenerateRequest]] = asyncio.get_running_loop().create_future()
+
+    async def start(self) -> None:
+        await self.prefill.serve("prefill", self._on_prefill)
+        await self.decode.serve("decode", self._on_decode)
+
+    async def _on_prefill(self, nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        await chunk(nc, msg, req, 0, transfer=TransferHandle(engine="sglang", params=TRIPLE))
+        self._prefill_leg.set_result((msg, req))
+
+    async def _on_decode(self, nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        if req.disagg is None:
+            await chunk(nc, msg, req, 0, token_ids=[5])
+            await chunk(nc, msg, req, 1, token_ids=[6], final=True, finish_reason="length")
+            return
+        pmsg, preq = await self._prefill_leg
+        failed = ErrorInfo(code=500, kind="engine_error", message="KV transfer failed")
+        ends = [
+            chunk(nc, pmsg, preq, 1, final=True, error=failed),
+            chunk(nc, msg, req, 0, final=True, **self._decode_end),
+        ]
+        for end in ends if self._prefill_first else reversed(ends):
+            await end  # no flush between: one batch on the router's side
+
+
+@pytest.mark.parametrize("prefill_first", [True, False], ids=["prefill_error_first", "decode_abort_first"])
+async def test_a_decode_leg_aborted_with_its_failed_prefill_falls_back_and_frees_its_booking_once(
+    nc: Client, ns: str, router: tuple[Dispatcher, Books, Verdicts], prefill_first: bool
+) -> None:
+    """Module-read audit of 2026-12-07: the decode leg's abort in the prefill failure's batch freed
+    the attempt's booking before the cut, and the fallback booked it again, never freed (a phantom
+    load on w1 for good); the abort first was the client's empty answer, the prefill's 500 never
+    judged. Now either order falls back, its bypass leg holding the booking to its end."""
+    d, books, verdicts = router
+    pair = _OneBatch(nc, ns, {"finish_reason": "abort"}, prefill_first=prefill_first)
+    await pair.start()
+    j = job("w1", prefill="p1")
+    chunks = await asyncio.wait_for(collect(d, j), PREFILL_TIMEOUT_S)
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert (j.outcome, j.path, d.fallbacks) == (Outcome.FALLBACK_PREFILL_FAILED, Path.BYPASS, 1)
+    assert books.log[0] == ("rebook_bypass", "r1#1") and books.log[-1] == ("free", "r1#1")
+    assert books.log.count(("free", "r1#1")) == 1
+    assert [(w, fault is not None) for w, fault, _ in verdicts] == [("p1", True)]  # its 500, put down once served
+
+
+async def test_a_decode_leg_that_ends_well_with_its_prefills_failure_is_the_answer(
+    nc: Client, ns: str, router: tuple[Dispatcher, Books, Verdicts]
+) -> None:
+    """An EOS-first stream (a clean final chunk, no token) had its KV: the prefill leg's failure in
+    the same batch, read first, cut it all the same, and the fallback booked again the booking its
+    end had freed, never freed."""
+    d, books, _ = router
+    pair = _OneBatch(nc, ns, {"finish_reason": "stop"}, prefill_first=True)
+    await pair.start()
+    j = job("w1", prefill="p1")
+    chunks = await asyncio.wait_for(collect(d, j), PREFILL_TIMEOUT_S)
+    assert [(c.token_ids, c.finish_reason) for c in chunks] == [([], "stop")]
+    assert (j.outcome, d.fallbacks, len(pair.decode.requests)) == (Outcome.DECLINED_POLICY, 0, 1)
+    assert ("rebook_bypass", "r1#1") not in books.log and books.log.count(("free", "r1#1")) == 1
+
+
 def _no_local(j: Job) -> Job:
     """`j` planned on decode worker w1 registered as an SGLang decode server: no local prefill."""
     d = j.plan.decode
