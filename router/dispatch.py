@@ -190,13 +190,13 @@ class Job:
     held: list[ResponseChunk] = field(default_factory=list)
     held_bytes: int = 0  # of the events held, this leg's (MAX_HELD_BYTES)
     tried: set[str] = field(default_factory=set)
-    # (worker, fault, role) of its legs whose engines failed them with a server error (a 5xx) before
-    # any output: put down to those workers only once another leg generates output for the request,
-    # as one the request itself caused (vLLM 0.32: a grammar that fails to compile) fails every
-    # engine alike; dropped when a later decode or agg leg fails with an engine 5xx (a 503 too, as
-    # before: LegError.engine_failed), or the request ends unserved; a later prefill leg's 5xx
-    # replaces only an earlier prefill leg's (one slot, as before)
-    engine_errors: list[tuple[str, str, str]] = field(default_factory=list)
+    # (worker, fault, role, time.monotonic() it failed) of its legs whose engines failed them with a
+    # server error (a 5xx) before any output: put down to those workers only once another leg
+    # generates output for the request, as one the request itself caused (vLLM 0.32: a grammar that
+    # fails to compile) fails every engine alike; dropped when a later decode or agg leg fails with
+    # an engine 5xx (a 503 too, as before: LegError.engine_failed), or the request ends unserved; a
+    # later prefill leg's 5xx replaces only an earlier prefill leg's (one slot, as before)
+    engine_errors: list[tuple[str, str, str, float]] = field(default_factory=list)
     # (prefill worker, its engine's message) of a prefill leg its engine refused (a 4xx): put down
     # to that worker only if a decode engine serves the request
     prefill_refused: tuple[str, str] | None = None
@@ -354,7 +354,7 @@ class Dispatcher:
         on_malformed: Callable[[str, str], None] = lambda worker, why: None,
         on_pull: Callable[[str, str], Callable[[], None]] = lambda decode, prefill: _nothing,
         on_prefill: Callable[[str, str | None, bool], None] = lambda worker, fault, serves_whole: None,
-        on_engine: Callable[[str, str | None], None] = lambda worker, fault: None,
+        on_engine: Callable[[str, str | None, float], None] = lambda worker, fault, ago_s: None,
         tracer: RequestTracer | None = None,
         origin: str = "",
         registered: Callable[[str], bool] = lambda worker: True,
@@ -869,17 +869,18 @@ class Dispatcher:
             return
         self.legs_failed[exc.worker, kind] += 1
         if kind == "engine_error":
-            job.engine_errors.append((exc.worker, f"{exc.code} {brief(exc.message)}", exc.role))
+            job.engine_errors.append((exc.worker, f"{exc.code} {brief(exc.message)}", exc.role, time.monotonic()))
 
     def _served_despite(self, job: Job) -> None:
         """A leg generated output for `job`: the server errors its earlier legs met were their engines'."""
-        for worker, fault, role in job.engine_errors:
+        now = time.monotonic()
+        for worker, fault, role, at in job.engine_errors:
             if not self._registered(worker):
                 continue  # it left meanwhile: its state went with it, one back under its name starts clean
             if role == "prefill":
                 self._on_prefill(worker, fault, False)
             else:
-                self._on_engine(worker, fault)
+                self._on_engine(worker, fault, now - at)  # its own time: a trial's or not (router.failing_workers)
         job.engine_errors.clear()
 
     def _free(self, job: Job, *, served: bool = False) -> None:
@@ -1080,7 +1081,7 @@ class Dispatcher:
                         job.first_token_at = time.monotonic()
                         for failures in self._generation_failures:
                             failures.served(plan.decode.worker)
-                        self._on_engine(plan.decode.worker, None)
+                        self._on_engine(plan.decode.worker, None, 0.0)
                         self._prefill_done(job)
                     elif chunk.prefilled:
                         self._prefill_done(job)  # a whole answer's prefill, done before any output
@@ -1266,7 +1267,7 @@ class Dispatcher:
             # Judged by the fallback (_decode, run). The latest prefill leg's only: a request's second
             # prefill 5xx (its retry's) puts down neither its first nor the same worker twice.
             job.engine_errors[:] = [held for held in job.engine_errors if held[2] != "prefill"]
-            job.engine_errors.append((worker, fault[0], "prefill"))
+            job.engine_errors.append((worker, fault[0], "prefill", time.monotonic()))
         if not exc.malformed:  # that one is logged once per worker (_blame), not per request
             log.warning(
                 "request %s: remote prefill failed (%s); falling back to local prefill on %s",

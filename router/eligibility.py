@@ -335,12 +335,13 @@ class Eligibility:
         request goes there for `for_s` (the leg's time limit) unless it reports first."""
         self._prefill_failing.trial(worker, for_s)
 
-    def engine_leg(self, worker: str, fault: str | None) -> None:
+    def engine_leg(self, worker: str, fault: str | None, ago_s: float = 0.0) -> None:
         """A decode or agg leg on `worker` gave its first output (`fault` None) or failed before it
-        with its engine's own server error (`fault`: what the engine said). ENGINE_FAILING_AFTER
-        such failures in a row leave the worker out (`engine_failing`, a WARNING), for
-        ENGINE_COOLDOWN_S from the last, then one request tries it again: a failure doubles the
-        cooldown (up to ENGINE_COOLDOWN_MAX_S), a leg that works ends the episode (an INFO)."""
+        with its engine's own server error (`fault`: what the engine said, `ago_s` before now: judged
+        once the request's retry gave output). ENGINE_FAILING_AFTER such failures in a row leave the
+        worker out (`engine_failing`, a WARNING), for ENGINE_COOLDOWN_S from the last, then one
+        request tries it again: its failure doubles the cooldown (up to ENGINE_COOLDOWN_MAX_S), its
+        leg that works ends the episode (an INFO)."""
         failing = self._engine_failing
         if fault is None:
             if (ended := failing.worked(worker)) is not None:
@@ -351,7 +352,7 @@ class Eligibility:
                     ended.failures,
                 )
             return
-        if (began := failing.failed(worker, fault)) is not None:
+        if (began := failing.failed(worker, fault, ago_s=ago_s)) is not None:
             self._engine_episodes.began(
                 worker,
                 "worker %s failed %d requests in a row with engine server errors before their first output, the "

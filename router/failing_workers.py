@@ -4,11 +4,16 @@ by one request (half-open), for router.eligibility's `prefill_failing` and `engi
 A worker's episode begins once `after` of its legs in a row have failed, the first of them within
 `window_s` of the last; a leg that works in between starts the count again. It is left out while its
 cooldown runs from its last failure, and past it the next request planned there is the trial
-(`trial`), which holds it for its leg's time limit unless its verdict comes first. A failure within
-the cooldown (a leg planned before it began, or one sent while its whole pool is left out and serves
-all the same) starts the cooldown again at its length; the trial's failure doubles it, up to
-`max_cooldown_s`; a leg that works past the cooldown ends the episode (one within it was planned
-before the failure, or sent for want of another worker, and says less).
+(`trial`), which holds it for its leg's time limit unless its verdict comes first. A failure is
+reported with its own time (`ago_s`: an engine's 5xx is judged only once the request's retry gave
+output, maybe past the cooldown). One of a leg that failed while a trial was under way, or after
+it began, is the trial's: it doubles the cooldown, up to `max_cooldown_s`. Any other (a leg planned
+before the cooldown began, or one sent while its whole pool is left out and serves all the same)
+starts the cooldown again at its length from that failure, unless it is older than the one the
+cooldown runs from or than a trial under way, whose verdict stands. A leg that works past the
+cooldown ends the episode (one within it was planned before the failure, or sent for want of another
+worker, and says less). Until 2026-12-07 any failure reported past the cooldown was the trial's: a
+late one doubled the wait and dropped the trial under way, whose success then ended nothing.
 
 Synchronous, with an injected clock; what is said of an episode is its owner's.
 """
@@ -32,6 +37,7 @@ class Episode:
     failures: int  # legs failed in a row, those before it began included
     serves_whole: bool = False  # a prefill worker that only gave no usable transfer handle
     trial_until: float = 0.0  # a trial holds it until then
+    trial_at: float = 0.0  # ... begun then: a failure of a leg from then on is its own
 
     def cooling(self, now: float) -> bool:
         return now - self.failed_at < self.cooldown_s
@@ -69,15 +75,20 @@ class FailingWorkers:
         self.get: Callable[[str], Episode | None] = self._episodes.get
         self._streaks: dict[str, tuple[int, float]] = {}  # worker -> (legs failed in a row, the first's time)
 
-    def failed(self, worker: str, why: str, serves_whole: bool = False) -> Episode | None:
-        """A leg on `worker` failed through its fault: the episode it begins, if it begins one."""
+    def failed(self, worker: str, why: str, serves_whole: bool = False, ago_s: float = 0.0) -> Episode | None:
+        """A leg on `worker` failed through its fault, `ago_s` before now: the episode it begins, if
+        it begins one."""
         now = self._clock()
+        at = now - ago_s
         held = self._episodes.get(worker)
         if held is not None:
-            if not held.cooling(now):  # the trial failed
-                held.cooldown_s = min(2 * held.cooldown_s, self.max_cooldown_s)
-            held.failed_at, held.why, held.serves_whole, held.trial_until = now, why, serves_whole, 0.0
             held.failures += 1
+            trial = held.trial_until > 0.0
+            if trial and at >= held.trial_at:  # the trial failed
+                held.cooldown_s = min(2 * held.cooldown_s, self.max_cooldown_s)
+            elif trial or at < held.failed_at:
+                return None  # older than what the wait runs from, or than the trial under way
+            held.failed_at, held.why, held.serves_whole, held.trial_until = at, why, serves_whole, 0.0
             return None
         count, first = self._streaks.get(worker, (0, now))
         if now - first > self._window_s:
@@ -87,7 +98,7 @@ class FailingWorkers:
             self._streaks[worker] = (count, first)
             return None
         self._streaks.pop(worker, None)
-        self._episodes[worker] = episode = Episode(now, why, self.cooldown_s, count, serves_whole)
+        self._episodes[worker] = episode = Episode(at, why, self.cooldown_s, count, serves_whole)
         return episode
 
     def worked(self, worker: str) -> Episode | None:
@@ -104,6 +115,8 @@ class FailingWorkers:
         goes there for `for_s` (the leg's time limit) unless it reports first."""
         held = self._episodes.get(worker)
         if held is not None and not held.cooling(now := self._clock()):
+            if now >= held.trial_until:  # else one under way (its pool all left out) goes on from its start
+                held.trial_at = now
             held.trial_until = now + for_s
 
     def __contains__(self, worker: str) -> bool:

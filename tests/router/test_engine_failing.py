@@ -109,6 +109,7 @@ def test_the_wait_doubles_up_to_its_cap() -> None:
     for _ in range(12):  # every trial fails
         w.now += wait
         assert w.exclusion() is None
+        w.elig.engine_probe("a1", 5.0)
         w.elig.engine_leg("a1", FAULT)
         wait = min(2 * wait, ENGINE_COOLDOWN_MAX_S)
     w.now += ENGINE_COOLDOWN_MAX_S - 0.1
@@ -126,6 +127,34 @@ def test_a_worker_that_leaves_takes_its_engine_episode_with_it() -> None:
     assert w.exclusion() is None
 
 
+def test_a_failure_reported_late_is_not_the_trials() -> None:
+    """Module-read audit of 2026-12-07: an engine's 5xx is reported only once the request's retry gave
+    output, maybe past the cooldown. Any failure reported then was the trial's: an old one doubled the
+    wait and dropped the trial under way, whose success then readmitted nothing. Now a failure of a
+    leg from before the trial leaves its verdict standing, and one outside a trial restarts the wait
+    at its length."""
+    w = World()
+    for _ in range(ENGINE_FAILING_AFTER):
+        w.elig.engine_leg("a1", FAULT)
+    w.now += ENGINE_COOLDOWN_S + 1.0
+    w.elig.engine_probe("a1", 30.0)  # the trial
+    w.now += 0.5
+    w.elig.engine_leg("a1", FAULT, ago_s=ENGINE_COOLDOWN_S + 2.0)  # a leg of before the episode's last failure
+    w.elig.engine_leg("a1", FAULT, ago_s=2.0)  # one within the cooldown, planned before the trial
+    assert w.exclusion() is Exclusion.ENGINE_FAILING  # the trial still holds it
+    w.elig.engine_leg("a1", None)  # the trial was served: readmitted
+    assert w.exclusion() is None
+
+    for _ in range(ENGINE_FAILING_AFTER):
+        w.elig.engine_leg("a1", FAULT)
+    w.now += ENGINE_COOLDOWN_S + 1.0
+    w.elig.engine_leg("a1", FAULT, ago_s=0.5)  # past the cooldown, before any trial: not one
+    w.now += ENGINE_COOLDOWN_S - 0.5 - 0.1
+    assert w.exclusion() is Exclusion.ENGINE_FAILING
+    w.now += 0.1
+    assert w.exclusion() is None  # its length from that failure, not twice it
+
+
 # --- Dispatcher --------------------------------------------------------------------------------
 
 
@@ -141,16 +170,21 @@ class Reports:
 
     def __init__(self, nc: Client, ns: str) -> None:
         self.engine: list[tuple[str, str | None]] = []
+        self.ago: list[float] = []  # ... each one's age (ago_s)
         self.prefill: list[tuple[str, str | None]] = []
         self.pulls: list[tuple[str, str, bool]] = []
         self.gone: set[str] = set()  # workers whose keys went
         self.dispatcher = Dispatcher(
             nc, ns, Books(), settings=lambda: RouterSettings(stream_heartbeat_s=HB),
-            on_engine=lambda worker, fault: self.engine.append((worker, fault)),
+            on_engine=self._on_engine,
             on_prefill=lambda worker, fault, whole: self.prefill.append((worker, fault)),
             on_transfer=lambda decode, prefill, ok: self.pulls.append((decode, prefill, ok)),
             registered=lambda worker: worker not in self.gone,
         )  # fmt: skip
+
+    def _on_engine(self, worker: str, fault: str | None, ago_s: float) -> None:
+        self.engine.append((worker, fault))
+        self.ago.append(ago_s)
 
     def faults(self) -> list[tuple[str, str | None]]:
         return [(worker, fault) for worker, fault in self.engine if fault is not None]
@@ -173,6 +207,20 @@ async def test_a_server_error_counts_against_its_worker_once_the_retry_elsewhere
     assert [c.token_ids for c in chunks] == [[5], [6]]
     assert reports.faults() == [("w1", "500 Internal server error")] and ("w2", None) in reports.engine
     assert reports.dispatcher.legs_failed == {("w1", "engine_error"): 1}
+
+
+async def test_a_server_error_is_reported_with_its_own_time(nc: Client, ns: str, reports: Reports) -> None:
+    """Judged once the retry gave output, it is no failure of a trial begun meanwhile (router.failing_workers)."""
+    await FakeWorker(nc, ns, "w1").serve("decode", fail_with(500, "engine_error"))
+
+    async def slow_first_token(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        await asyncio.sleep(2 * HB)  # within the leg's silence of three heartbeats
+        await answer(nc, msg, req)
+
+    await FakeWorker(nc, ns, "w2").serve("decode", slow_first_token)
+    await collect(reports.dispatcher, job("w1", replans=[job("w2").plan]))
+    assert reports.engine == [("w2", None), ("w1", "500 Internal server error")]
+    assert reports.ago[0] == 0.0 and reports.ago[1] >= 2 * HB
 
 
 async def test_a_server_error_the_retry_meets_too_is_the_requests_and_counts_against_neither_worker(
