@@ -29,13 +29,14 @@ the leg ends with a `final` chunk or an `error` one.
   decode leg that ends with nothing (an abort: SGLang aborts one whose prefill peer failed, maybe
   before the prefill leg's error comes) waits for the prefill's verdict, three heartbeats at most.
 - bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
-- a decode/agg leg whose worker dies (no responder, its etcd key gone, silent, a 5xx error chunk)
-  or answers 404 (an adapter unloaded there) before the first token is retried once on the
-  next-best worker (a new plan, booked by the planner); after the first token the error goes to
-  the client. Its engine's server error (a 5xx but 503) is reported (`on_engine`: three in a row
-  leave the worker out) only once the retry generates output, as a prefill leg's is: one the
-  request itself caused fails the retry too and costs neither worker anything, and one with no
-  retry (no other worker, no time) says nothing of the worker. Every such failure but a failed
+- a decode/agg leg whose worker dies (no responder, silent, a 5xx error chunk; not its etcd key
+  gone, which legs in flight outlive: worker_gone) or answers 404 (an adapter unloaded there)
+  before the first token is retried once on the next-best worker (a new plan, booked by the
+  planner); after the first token the error goes to the client. Its engine's server error (a 5xx
+  but 503) is reported (`on_engine`: three in a row leave the worker out) only once the retry
+  generates output, as a prefill leg's is: one the request itself caused fails the retry too and
+  costs neither worker anything, and one with no retry (no other worker, no time) says nothing of
+  the worker. Every such failure but a failed
   KV pull (the pair's: router.transfer_health) is counted per worker and kind (`legs_failed`).
 - liveness: every leg asks for a heartbeat every `stream_heartbeat_s`; a leg silent for three of them
   ends (its worker is reported unreachable), so a worker that dies before the first token costs a
