@@ -1004,13 +1004,19 @@ class RequestService:
                 self.on_served(req.request_id, req.token_ids, self._salt(req), outcome.usage)
         finally:
             span.end()
+            # a cancel landing while the helpers are reaped is raised after the bookkeeping: raised
+            # from the reap, it left the leg in flight for good (its slot, its prompt counted queued)
+            steps = StopSteps()
             if rest is not None and not rest.done():  # the leg ended before the engine: aborted
-                await _reap(rest, f"request {req.request_id}: the engine's prefill")
-            await _reap(watch, f"request {req.request_id}: the prefill watch")
+                with steps:
+                    await _reap(rest, f"request {req.request_id}: the engine's prefill")
+            with steps:
+                await _reap(watch, f"request {req.request_id}: the prefill watch")
             self._first_token(state)
             self.contexts.end(req.request_id)
             self._end(state)
             self.remember(writer)
+            steps.end()
 
     async def _call(self, req: GenerateRequest, state: _Leg, writer: ChunkWriter) -> None:
         """A utility call (no generation: nothing queued, nothing decoding): the engine's whole

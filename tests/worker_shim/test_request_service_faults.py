@@ -855,6 +855,35 @@ async def test_a_stop_tells_the_client_though_the_legs_heartbeat_lost_its_cancel
     ], said
 
 
+@pytest.mark.parametrize("how", ["cancel", "stop"])
+async def test_a_leg_cancelled_while_it_reaps_its_prefill_watch_still_ends_its_bookkeeping(
+    nc: Nats, replies: Replies, ns: str, how: str
+) -> None:
+    """A whole answer's leg whose router's cancel (or a stop: abort_all) came after its final chunk
+    went, as it reaped its prefill watch: the wait raised the cancel at once and the bookkeeping
+    after it never ran. The leg stayed in flight for good (a --max-inflight-legs slot), its prompt
+    counted queued, and a resume got 410 (a review of 2026-12-07). Now the cancel is raised after it."""
+    engine = FakeEngine(tokens=0)  # a whole answer at once; its prompt never seen cached: the watch runs on
+    stops: list[asyncio.Task[None]] = []
+
+    def served(rid: str, _ids: list[int], _salt: str, _usage: Usage) -> None:
+        # the final chunk went; the leg reaps its prefill watch next, and this lands meanwhile
+        msg = cast(Msg, types.SimpleNamespace(data=encode_msg(CancelRequest(request_id=rid))))
+        stops.append(asyncio.create_task(svc.on_cancel(msg) if how == "cancel" else svc.abort_all()))
+
+    svc = service(nc, engine, on_served=served)
+    subject = await serving(svc, ns)
+    await send(replies, subject, "r1", stream=False)
+    await wait_for(lambda: bool(stops) and stops[0].done(), what="the cancel")
+    await ended(svc)
+    assert svc.prefill_tokens_queued == 0 and len(svc.contexts) == 0
+    await replies.settled()
+    assert [c.finish_reason for c in replies.chunks("r1") if c.final] == ["length"]
+    assert dict(svc.outcomes) == {("agg", "ok"): 1}
+    again = await ask_again(replies, subject, "r1", "again")
+    assert again[-1].final and again[-1].finish_reason == "length", again[-1]
+
+
 class CallEngine(FakeEngine):
     async def call(self, endpoint: str, body: dict[str, Any]) -> bytes:
         await asyncio.sleep(0.15)  # its heartbeat beats meanwhile
