@@ -248,6 +248,8 @@ class ChunkWriter:
     async def _send(self, chunk: ResponseChunk) -> None:
         data = encode_msg(chunk)  # first: a chunk that cannot be encoded takes no seq
         self.seq += 1
+        if chunk.final:  # the outcome sent: counted before, a final chunk that failed counted as meant, not the 500
+            self.service.outcomes[(self.role, _outcome(chunk))] += 1
         self._last_sent = now = time.monotonic()
         self.sent.append(data)
         self._sent_at.append(now)
@@ -471,8 +473,6 @@ class ChunkWriter:
                 finish_reason = usage = transfer = tokens = None
                 body = b""
                 error = ErrorInfo(code=500, kind="internal", message=f"shim error: {lost!r}")
-        outcome = error.kind if error is not None else ("abort" if finish_reason == "abort" else "ok")
-        self.service.outcomes[(self.role, outcome)] += 1
         toks, self._pending = self._pending + (tokens or []), []
         events, used = self._events, self._event_bytes
         self._events, self._event_bytes = [], 0
@@ -499,6 +499,13 @@ class ChunkWriter:
                 body=pieces[-1],
             )
         )
+
+
+def _outcome(final: ResponseChunk) -> str:
+    """A final chunk's outcome, as kvswitch_shim_requests_total counts it."""
+    if final.error is not None:
+        return final.error.kind
+    return "abort" if final.finish_reason == "abort" else "ok"
 
 
 async def _reap(task: asyncio.Task[Any] | None, what: str) -> None:

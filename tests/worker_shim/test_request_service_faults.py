@@ -685,7 +685,8 @@ async def test_a_final_chunk_that_cannot_go_ends_the_leg_with_an_error_said_with
     nc: Nats, replies: Replies, ns: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Before: OverflowError ended the leg's task ("Task exception was never retrieved"), no final
-    chunk went and its heartbeats had stopped, so the router took the worker for unreachable."""
+    chunk went and its heartbeats had stopped, so the router took the worker for unreachable. The
+    outcome counted is the 500 sent (until 2026-12-07: the refusal that never went)."""
     svc = service(nc, UnencodableRefusal())
     subject = await serving(svc, ns)
     await send(replies, subject, "r1", heartbeat_s=0.2)
@@ -695,6 +696,7 @@ async def test_a_final_chunk_that_cannot_go_ends_the_leg_with_an_error_said_with
     [final] = replies.chunks("r1")
     assert final.final and final.seq == 0 and final.error is not None
     assert (final.error.code, final.error.kind) == (500, "internal") and "OverflowError" in final.error.message
+    assert dict(svc.outcomes) == {("agg", "internal"): 1}
     said = [r for r in caplog.records if "its final chunk could not be sent" in r.getMessage()]
     assert len(said) == 1 and said[0].exc_info is not None
 
