@@ -232,6 +232,7 @@ class ChunkWriter:
         self._resume_s = min(RECENT_S, RESUME_HEARTBEATS * heartbeat_s) if heartbeat_s > 0 else RECENT_S
         self.ended = 0.0  # time.monotonic() when the leg ended (RequestService.remember)
         self.done = False
+        self.closed = False  # its final chunk numbered (in `sent`, published or not)
         self._pending: list[int] = []
         self._events: list[bytes] = []
         self._event_bytes = 0
@@ -249,6 +250,7 @@ class ChunkWriter:
         data = encode_msg(chunk)  # first: a chunk that cannot be encoded takes no seq
         self.seq += 1
         if chunk.final:  # the outcome sent: counted before, a final chunk that failed counted as meant, not the 500
+            self.closed = True
             self.service.outcomes[(self.role, _outcome(chunk))] += 1
         self._last_sent = now = time.monotonic()
         self.sent.append(data)
@@ -431,8 +433,9 @@ class ChunkWriter:
         the worker for unreachable (an engine's Retry-After past the encoder's bounds did it).
         A cancellation while its helpers are reaped (abort_all cancelling the leg again, past
         CANCEL_AGAIN_S) is raised after the final chunk went: raised there, the chunk never went and
-        the router waited on silence. A second call is a bug (RuntimeError): its chunk would come after
-        the final one its router ended the leg on."""
+        the router waited on silence. One that cuts the chunks short (a whole answer paced out) is
+        raised after a final chunk that says why (_cut_short). A second call is a bug (RuntimeError):
+        its chunk would come after the final one its router ended the leg on."""
         if self.done:
             raise RuntimeError(f"request {self.request_id}: its final chunk went already")
         steps = StopSteps()
@@ -442,7 +445,8 @@ class ChunkWriter:
                     await _reap(helper, f"request {self.request_id}: {what}")
             self._timer = self._heartbeat = None
             try:
-                await self._final(finish_reason, usage, transfer, error, tokens, body)
+                with steps:
+                    await self._final(finish_reason, usage, transfer, error, tokens, body)
             except Exception as exc:
                 log.exception("request %s: its final chunk could not be sent; ending it with an error", self.request_id)
                 why = ErrorInfo(code=500, kind="internal", message=f"shim error: the final chunk failed: {exc!r}")
@@ -450,9 +454,31 @@ class ChunkWriter:
                     await self._send(self._chunk([], final=True, error=why))
                 except Exception:
                     log.exception("request %s: its error chunk could not be sent either", self.request_id)
+            if steps.cut is not None:
+                await self._cut_short(steps, usage)
         finally:
             self.done = True
         steps.end()
+
+    async def _cut_short(self, steps: StopSteps, usage: Usage | None) -> None:
+        """The end of a leg whose final chunks a cancellation cut short: the rest of its answer never
+        goes, a final chunk says why (RequestService.cut_short), unless the final one was numbered, and
+        what is numbered is published. Until 2026-12-07 a leg cancelled as its whole answer was paced
+        out ended with no final chunk, its heartbeats stopped, counted `ok`; a resume got silence at the end."""
+        for task in list(self._flushing):  # a held chunk's flush: what it took is dropped with the rest
+            with steps:
+                await _reap(task, f"request {self.request_id}: a held chunk's flush")
+        with steps:
+            if self.closed:
+                await self._pump()
+                return
+            why = self.service.cut_short(self.request_id)
+            abort = why is None
+            await self._send(
+                self._chunk(
+                    [], final=True, finish_reason="abort" if abort else None, usage=usage if abort else None, error=why
+                )
+            )
 
     async def _final(
         self,
@@ -865,6 +891,17 @@ class RequestService:
         early[request_id] = now
         while early and (len(early) > RECENT_LEGS or next(iter(early.values())) < now - EARLY_CANCEL_S):
             early.popitem(last=False)
+
+    def cut_short(self, request_id: str) -> ErrorInfo | None:
+        """What a final chunk cut short by a cancellation says in its place: None for an abort (its
+        router's cancel), else the error: its router gone (cancel_from), the service's own end of it
+        (abort_all), the shim's stop."""
+        state = self.inflight.get(request_id)
+        if state is None:
+            return _SHUTDOWN
+        if state.orphaned:
+            return _ORPHANED
+        return None if state.cancelled else state.ended or _SHUTDOWN
 
     @staticmethod
     def _stop(state: _Leg) -> None:

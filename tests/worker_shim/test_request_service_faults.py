@@ -22,7 +22,7 @@ from nats.errors import OutboundBufferLimitError
 import runtime
 from kvswitch.servers import NatsServer
 from protocol import GenerateRequest, ResponseChunk, SamplingParams, Usage, decode_msg, encode_msg, subjects
-from protocol.messages import ENDPOINT_TOKENIZE, CancelRequest
+from protocol.messages import ENDPOINT_COMPLETIONS, ENDPOINT_TOKENIZE, CancelRequest
 from runtime.nats_flush import flush
 from tests.lost_cancellation import ends_within, never_answers
 from tests.worker_shim.cluster import wait_for
@@ -884,6 +884,44 @@ async def test_a_leg_cancelled_while_it_reaps_its_prefill_watch_still_ends_its_b
     assert dict(svc.outcomes) == {("agg", "ok"): 1}
     again = await ask_again(replies, subject, "r1", "again")
     assert again[-1].final and again[-1].finish_reason == "length", again[-1]
+
+
+class WholeBody(FakeEngine):
+    """A pass-through leg's whole answer: an 8 MiB body."""
+
+    async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
+        return LegOutcome("stop", Usage(prompt_tokens=len(leg.token_ids), completion_tokens=1), body=b"z" * (8 << 20))
+
+
+@pytest.mark.parametrize(("how", "outcome"), [("cancel", "abort"), ("stop", "shutdown")])
+async def test_a_leg_cancelled_while_its_whole_answer_is_paced_out_ends_with_one_final_chunk(
+    nc: Nats, replies: Replies, ns: str, monkeypatch: pytest.MonkeyPatch, how: str, outcome: str
+) -> None:
+    """Its router's cancel (its client gone), or a stop, while the answer's pieces went at its
+    router's pace: the leg ended with no final chunk, its heartbeats stopped and its outcome counted
+    `ok`; a resume got the pieces and then silence (a review of 2026-12-07). Now the rest of the
+    answer is dropped and a final chunk says why: an abort, or the stop's 503 shutdown."""
+    monkeypatch.setattr(request_service, "BURST_BYTES", 2 << 20)
+    monkeypatch.setattr(request_service, "BURST_BYTES_S", 4 << 20)  # the 6 MiB past the burst: 1.5 s
+    svc = service(nc, WholeBody())
+    subject = await serving(svc, ns)
+    await send(replies, subject, "r1", stream=False, endpoint=ENDPOINT_COMPLETIONS, heartbeat_s=0.2)
+    await wait_for(lambda: len(replies.chunks("r1")) >= 3, what="the answer's burst, and a piece at its pace")
+    if how == "cancel":
+        await svc.on_cancel(cast(Msg, types.SimpleNamespace(data=encode_msg(CancelRequest(request_id="r1")))))
+    else:
+        await svc.drain(0)
+    await ended(svc)
+    await wait_for(lambda: any(c.final for c in replies.chunks("r1")), what="the final chunk")
+    await replies.settled()
+    chunks = replies.chunks("r1")
+    assert [c.seq for c in chunks] == list(range(len(chunks))) and [c.final for c in chunks].count(True) == 1
+    last = chunks[-1]
+    assert last.final and (last.error.kind if last.error is not None else last.finish_reason) == outcome, last
+    assert sum(len(c.body) for c in chunks) < 8 << 20, "the answer went whole: no cancel cut it"
+    assert dict(svc.outcomes) == {("agg", outcome): 1}
+    again = await ask_again(replies, subject, "r1", "again")
+    assert [c.seq for c in again] == list(range(len(chunks))) and again[-1] == last
 
 
 class CallEngine(FakeEngine):
