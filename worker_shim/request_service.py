@@ -986,7 +986,7 @@ class RequestService:
         # A leg fed by a transfer queues nothing, but the router books its blocks here until `prefilled`.
         if not leg.stream and not leg.prefill_only and (state.queued_tokens or leg.transfer is not None):
             watch = asyncio.create_task(
-                self._watch_prefill(req.token_ids, self._salt(req), state, writer),
+                self._watch_prefill(req.token_ids, self._salt(req), engine_requests(req.params) or 1, state, writer),
                 name=f"prefill-{req.request_id}",
             )
         try:
@@ -1095,9 +1095,12 @@ class RequestService:
             self._end(state)
             self.remember(writer)
 
-    async def _watch_prefill(self, token_ids: list[int], salt: str, state: _Leg, writer: ChunkWriter) -> None:
+    async def _watch_prefill(
+        self, token_ids: list[int], salt: str, sequences: int, state: _Leg, writer: ChunkWriter
+    ) -> None:
         """Until the engine's KV events hold every full block of the prompt; then the prompt no
-        longer counts as queued and the router hears that its prefill is done."""
+        longer counts as queued, its `sequences` decode (decode_context), and the router hears that
+        its prefill is done."""
         while True:
             await asyncio.sleep(PREFILL_POLL_S)
             block = self.block_size()
@@ -1105,7 +1108,7 @@ class RequestService:
                 # Not yet scheduled for the credit check: these events come from the engine core
                 # straight, and its reuse counter may lag them; the answer comes after it.
                 self._first_token(state)
-                self.contexts.grow(state.request_id, 0, len(token_ids))  # its output comes at the end
+                self.contexts.grow(state.request_id, 0, len(token_ids), sequences)  # its output comes at the end
                 await writer.prefilled()
                 return
 

@@ -789,6 +789,45 @@ async def test_a_leg_that_ends_while_a_held_chunk_is_published_waits_for_that_fl
     assert [t for c in chunks for t in c.token_ids] == list(range(1, 13)), "the flush's first chunk went"
 
 
+# --- the decode context -------------------------------------------------------------------------
+
+
+class StreamsOnly(FakeEngine):
+    """Its tokens to a streamed leg as they come; a whole answer's at its end. Each leg ends once
+    `release` is set."""
+
+    async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
+        for i in range(self.tokens if leg.stream else 0):
+            await on_output(1, [], [i])
+        await self.release.wait()
+        return LegOutcome("length", Usage(prompt_tokens=len(leg.token_ids), completion_tokens=self.tokens))
+
+
+async def test_a_whole_answer_of_n_sequences_counts_as_n_in_the_decode_context(
+    nc: Nats, replies: Replies, ns: str
+) -> None:
+    """A non-streamed leg with n = 4 counted one sequence from its `prefilled` moment, where a
+    streamed one counts its n (a review of 2026-12-07): beside a leg with a longer prompt, the
+    mean context was that leg's and this one's, halved."""
+    engine = StreamsOnly(tokens=1)
+    engine.release.clear()
+    held = [False]  # whether the engine's KV events hold the prompt
+    svc = service(nc, engine, lambda ids, _salt: len(ids) if held[0] else 0)
+    subject = await serving(svc, ns)
+    await send(replies, subject, "whole", stream=False, params={"n": 4})
+    await wait_for(lambda: "whole" in svc.inflight, what="the whole answer's leg")
+    held[0] = True
+    await wait_for(lambda: len(svc.contexts) == 1, what="its prefill seen done")
+    streamed = GenerateRequest(request_id="s", model="m", token_ids=[1] * 40, stream=True)
+    await replies.nc.publish(subject, encode_msg(streamed), reply=replies.inbox("s"))
+    await wait_for(lambda: len(svc.contexts) == 2, what="the streamed leg's first token")
+    # four sequences at the 8-token prompt, one at 40 and its token
+    assert svc.contexts.mean() == pytest.approx((4 * 8 + 41) / 5)
+    engine.release.set()
+    await ended(svc)
+    assert len(svc.contexts) == 0
+
+
 # --- stop ---------------------------------------------------------------------------------------
 
 
