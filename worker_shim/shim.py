@@ -1487,9 +1487,13 @@ class WorkerShim:
             return
         if self.config.worker_name is not None:
             # Same subjects under the same name: the old epoch's stream ends; the new one starts
-            # with Cleared and the whole state once registered again.
-            await self._end_epoch(presence, cleared=False)
-            self._presence = presence
+            # with Cleared and the whole state once registered again. Put back however the await
+            # ends: a session ending in it (Registration.stop cancels this hook) closes only what
+            # _presence and _retired hold.
+            try:
+                await self._end_epoch(presence, cleared=False)
+            finally:
+                self._presence = presence
             return
         # Retired first, so the old stream misses no event while its load reports stop.
         grace = self.config.grace_s

@@ -34,6 +34,7 @@ from protocol import (
     unpack_hashes,
 )
 from protocol.config import EtcdSettings
+from runtime import cancel_and_wait
 from runtime.nats_flush import flush
 from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
 from tests.worker_shim.test_http_server import health
@@ -326,6 +327,87 @@ async def _presence_on(nc: Any, worker: str, cb: Any) -> _Presence:
         presence.subs.append(await nc.subscribe(subject, cb=cb))
     await flush(nc)
     return presence
+
+
+class _Stops:
+    """A Registration whose stop() cancels the hook its supervisor is running, as the real one does."""
+
+    id = "gpu"
+    lease = None
+    revoked = True
+
+    def __init__(self, hook: asyncio.Task[None]) -> None:
+        self.hook = hook
+
+    async def stop(self) -> bool:
+        await cancel_and_wait(self.hook)
+        return True
+
+
+def _named_session(nc: Any, requests: Any = None) -> WorkerShim:
+    """A --worker-name shim in a session, with what _end_session reads: no engine or etcd."""
+    shim = _bare_shim()
+    shim._nc = nc
+    shim.config = SimpleNamespace(worker_name="gpu", grace_s=5.0)  # type: ignore[assignment]
+    shim.status = ShimStatus.REGISTERED
+    shim.registered = asyncio.Event()
+    shim._stopping = asyncio.Event()
+    shim.epoch = 1
+    shim.requests = requests
+    shim.register_failures, shim._cut_off = RegisterFailures(), CutOff()
+    shim._events_task = None
+    shim._tokenizer_retry = None
+    shim.events = SimpleNamespace(close=lambda keep_retest: None)  # type: ignore[assignment]
+    shim.probe = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
+    return shim
+
+
+async def _one_request_handled_by(nc: Any, count: list[int]) -> int:
+    """The next session's presence under the same name: how many handlers one request reaches."""
+
+    async def counted(msg: Any) -> None:
+        count.append(1)
+
+    await _presence_on(nc, "gpu", counted)
+    await nc.publish(subjects.gen("ns", "agg", "gpu"), b"one request")
+    await flush(nc)
+    await wait_for(lambda: len(count) >= 1, 5, "the request handled")
+    await asyncio.sleep(0.2)  # a second handler, were one left, gets it meanwhile
+    return len(count)
+
+
+async def test_a_session_ending_while_a_named_id_ends_its_epoch_closes_that_id(nats_url: str) -> None:
+    """A lost lease with --worker-name took the presence out of the shim while the old epoch's
+    stream ended: a session ending there (Registration.stop cancels the hook) left it in neither
+    _presence nor _retired, its subscriptions open for the process's life, and every request to
+    the name reached two handlers, the second answering 409 "already running"."""
+
+    class SlowPublisher:  # the old epoch's KV stream ending: a flush that takes a moment
+        def add(self, events: Any) -> None:
+            pass
+
+        async def stop(self) -> None:
+            await asyncio.sleep(30)
+
+    nc = await connect(nats_url)
+    handled: list[int] = []
+
+    async def old(msg: Any) -> None:
+        handled.append(1)
+
+    try:
+        shim = _named_session(nc)
+        presence = shim._presence = await _presence_on(nc, "gpu", old)
+        presence.publisher = SlowPublisher()  # type: ignore[assignment]
+        hook = asyncio.create_task(shim._on_lease_lost("gpu"))  # Registration: on_lost
+        await wait_for(lambda: presence.publisher is None, 5, "the old epoch's stream ending")
+        shim.registration = _Stops(hook)  # type: ignore[assignment]
+        await shim._end_session()
+        assert hook.cancelled() and shim._presence is None and shim._retired == {}
+        assert nc._subs == {}, [s.subject for s in nc._subs.values()]
+        assert await _one_request_handled_by(nc, handled) == 1
+    finally:
+        await nc.close()
 
 
 async def test_a_stop_cancelling_a_retirement_mid_close_answers_what_the_old_id_was_given() -> None:
