@@ -1386,9 +1386,16 @@ class WorkerShim:
             (subjects.kvstate(self.ns, worker), guarded(presence.on_kvstate, "the kvstate handler")),
         ]
         refused_subscriptions(nc).difference_update(subject.lower() for subject, _ in handlers)
-        for subject, cb in handlers:
-            presence.subs.append(await nc.subscribe(subject, cb=cb))
-        await flush(nc)
+        try:
+            for subject, cb in handlers:
+                presence.subs.append(await nc.subscribe(subject, cb=cb))
+            await flush(nc)
+        except BaseException:
+            # Held by nothing else yet: left open, a cancellation (the session ending) or a retry
+            # of the registration had each request of this id reach a second handler. No key of
+            # this registration names the id yet: the stop's short barrier.
+            await self._close_presences(presence, timeout=UNSUB_STOP_S)
+            raise
         # The server refuses a subject of another identity only in an -ERR (read before the flush's
         # PONG): registered, the worker would look healthy and get no request ever.
         refused = sorted(sub.subject for sub in presence.subs if sub.subject.lower() in refused_subscriptions(nc))

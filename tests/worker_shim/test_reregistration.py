@@ -16,6 +16,7 @@ import nats.errors
 import pytest
 from etcd3aio._protobuf import Compare
 
+import worker_shim.shim as shim_module
 from discovery import Discovery, RegistrationState
 from engine_sim.server import SimServer
 from kvswitch.servers import EtcdServer, NatsServer
@@ -405,6 +406,46 @@ async def test_a_session_ending_while_a_named_id_ends_its_epoch_closes_that_id(n
         await shim._end_session()
         assert hook.cancelled() and shim._presence is None and shim._retired == {}
         assert nc._subs == {}, [s.subject for s in nc._subs.values()]
+        assert await _one_request_handled_by(nc, handled) == 1
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("ends", ["cancelled", "failed"])
+async def test_a_re_registration_ended_while_subscribing_leaves_none_of_its_subscriptions(
+    nats_url: str, ends: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The presence was the shim's only once subscribed and flushed: a re-registration cancelled
+    there (the session ending) or failing there (the flush timing out; the registration tries
+    again) left the subscriptions made so far open, and with --worker-name the next try subscribed
+    the same subjects again: every request reached two handlers."""
+    nc = await connect(nats_url)
+    handled: list[int] = []
+
+    async def old(msg: Any) -> None:
+        handled.append(1)
+
+    released = asyncio.Event()
+
+    async def slow_flush(nc: Any, *args: Any, **kwargs: Any) -> None:  # the SUBs' flush, a server slow
+        await released.wait()
+        raise nats.errors.FlushTimeoutError
+
+    monkeypatch.setattr(shim_module, "flush", slow_flush)
+    try:
+        shim = _named_session(nc, SimpleNamespace(inflight={}, on_generate=old, on_cancel=old))
+        hook = asyncio.create_task(shim._before_announce("gpu"))  # Registration: before_create
+        await wait_for(lambda: len(nc._subs) == 5, 5, "the presence subscribed, its flush under way")
+        if ends == "cancelled":
+            shim.registration = _Stops(hook)  # type: ignore[assignment]
+            await shim._end_session()
+            assert hook.cancelled()
+        else:
+            released.set()
+            with pytest.raises(nats.errors.FlushTimeoutError):
+                await hook
+        assert shim._presence is None and shim._retired == {}
+        await wait_for(lambda: nc._subs == {}, 5, "its subscriptions closed")
         assert await _one_request_handled_by(nc, handled) == 1
     finally:
         await nc.close()
