@@ -1534,12 +1534,13 @@ class WorkerShim:
             )  # fmt: skip
             if legs:
                 await asyncio.wait(legs)
+            # Still in _retired: a stop meanwhile cancels this close and waits for its barrier.
+            await self._close_presences(presence)
         except Exception:
             await self._close_presences(presence)
             raise
         finally:
             self._retired.pop(presence, None)
-        await self._close_presences(presence)
 
     async def _close_but_cancels(self, presence: _Presence) -> list[asyncio.Task[None]]:
         """Close `presence` but for its cancel subject: no request comes on its id any more and its

@@ -485,6 +485,48 @@ async def test_a_stop_cancelling_a_retirement_mid_close_answers_what_the_old_id_
             await nc.close()
 
 
+async def test_a_stop_during_a_retirements_last_close_ends_it_under_the_stops_barrier() -> None:
+    """A retirement left _retired before its last close (its cancel subject, once its legs had
+    ended): a stop then neither cancelled nor waited for it, and its barrier (up to 10 s, the server
+    frozen) ran on into the NATS drain, its task maybe still pending at loop close."""
+
+    class Leg:
+        def __init__(self, task: asyncio.Task[Any]) -> None:
+            self.task = task
+
+    async def ignore(msg: Any) -> None:
+        pass
+
+    with NatsServer() as server:
+        nc = await connect(server.url)
+        shim = _bare_shim()
+        ended = asyncio.Event()
+        leg = asyncio.create_task(ended.wait())
+        shim.requests = SimpleNamespace(inflight={"leg": Leg(leg)})  # type: ignore[assignment]
+        try:
+            presence = await _presence_on(nc, "old", ignore)
+            retire = shim._retired[presence] = asyncio.create_task(shim._retire_later(presence, 0.0))
+            await wait_for(
+                lambda: len(presence.subs) == 1 and presence.closing is not None and presence.closing.done(),
+                5,
+                "its cancels alone heard, until the leg ends",
+            )
+            pid = server.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                ended.set()
+                await wait_for(lambda: not presence.subs, 5, "the retirement's last close under way")
+                await shim._close_retired(timeout=0.5)  # the stop's barrier
+                assert retire.done() and shim._retired == {}
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            await wait_for(lambda: nc._subs == {}, 5, "its cancel subscription closed")
+        finally:
+            leg.cancel()
+            await nc.close()
+
+
 async def test_a_stop_with_nats_frozen_closes_every_worker_id_under_one_short_barrier(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
