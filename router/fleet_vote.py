@@ -45,7 +45,9 @@ its value last being decided where that value has no voter fit now, has none and
 by create_revision then the value; it can serve the model at the other value than a replica that
 has been running, for as long as the tie lasts (the newcomer's fix, or one more worker at either
 value, ends it). A replica that has run through the tie keeps its standing value until the value
-loses a vote it takes part in, or HOLD_S after it was last decided.
+loses a vote it takes part in, or HOLD_S after it was last decided. So a vote is over the model's
+whole fleet, never a request's part of it (an adapter's workers): the value lost there would be
+replaced for every request of the model, by which requests a replica saw.
 """
 
 from __future__ import annotations

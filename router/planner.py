@@ -181,7 +181,10 @@ class Planner:
                 raise PlanError(503, f"no worker of model {model} can take the request now: {_reasons(left_out)}")
             raise PlanError(503, f"no worker is registered for model {model}")
         base = infos[0].model
-        block_size = self.eligibility.block_sizes(infos).get(base, infos[0].block_size)
+        # Voted over the model's whole fleet: an adapter's or an alias's workers are part of it, and
+        # a vote of theirs would settle the model's size for every request (router.fleet_vote).
+        fleet = infos if model == base else [i for i in self._workers() if i.model == base]
+        block_size = self.eligibility.block_sizes(fleet).get(base, infos[0].block_size)
         hasher = self._hashers.get(block_size)
         if hasher is None:
             hasher = self._hashers[block_size] = BlockHasher(block_size)
@@ -295,7 +298,10 @@ class Planner:
         able = [i for i in infos if endpoint in ENGINE_UTILITY_ENDPOINTS.get(i.engine, ())]
         if infos and not able:
             raise PlanError(404, _no_utility_route(model, endpoint, {i.engine for i in infos}), transient=False)
-        ok = [i for i, st in zip(able, self.eligibility.statuses(able), strict=True) if st.exclusion not in _NO_UTILITY]
+        # No block-size vote (`{}`): a utility call hashes no prompt, and `able`, part of the model's
+        # fleet, would settle the model's size for every request (router.fleet_vote).
+        statuses = self.eligibility.statuses(able, {})
+        ok = [i for i, st in zip(able, statuses, strict=True) if st.exclusion not in _NO_UTILITY]
         return [i for i in ok if i.role != "prefill"] + [i for i in ok if i.role == "prefill"]
 
     def _stale_shim(self, info: WorkerInfo) -> bool:

@@ -871,7 +871,7 @@ class RouterService:
         nats_up = self._nc is not None and self._nc.is_connected
         served = self.config.model
         registered, infos = self._counted()
-        statuses = self._statuses(infos)
+        statuses = self._statuses(registered, infos)
         bad = self.bad_records(served)
         left_out = [*bad]
         models: dict[str, dict[str, int]] = {}
@@ -1019,7 +1019,7 @@ class RouterService:
         """Every worker /ready counts, routable or not, with why not, then each refused record
         (`worker_status`), and every worker that gets no text prompts from this router
         (`text_refused`): /debug/workers, what /ready names only the first of."""
-        listed = [*self._statuses(self._counted()[1]), *self.bad_records(self.config.model)]
+        listed = [*self._statuses(*self._counted()), *self.bad_records(self.config.model)]
         return {
             "worker_status": [st.explain() for st in listed],
             "text_refused": self.fingerprints.report()["text_refused"],
@@ -1031,10 +1031,18 @@ class RouterService:
         served = self.config.model
         return registered, registered if served is None else serving(registered, served)
 
-    def _statuses(self, infos: list[WorkerInfo]) -> list[WorkerStatus]:
+    def _statuses(self, registered: list[WorkerInfo], infos: list[WorkerInfo]) -> list[WorkerStatus]:
         """Every registered worker /ready counts: `infos` (_counted's, routed) as eligibility reads
-        them, then those the registry routes to no request (`unrouted`)."""
-        return [*self.eligibility.statuses(infos), *self.unrouted(self.config.model)]
+        them, then those the registry routes to no request (`unrouted`). Block sizes are voted over
+        the whole fleet of each model of `infos` (`registered`): with --model naming an adapter or an
+        alias, `infos` is part of its model's fleet, whose vote would settle the model's size for
+        every request (router.fleet_vote)."""
+        if infos is registered:
+            sizes = None
+        else:
+            models = {i.model for i in infos}
+            sizes = self.eligibility.block_sizes(i for i in registered if i.model in models)
+        return [*self.eligibility.statuses(infos, sizes), *self.unrouted(self.config.model)]
 
     def unrouted(self, model: str | None = None) -> list[WorkerStatus]:
         """The registered workers the registry leaves out of routing (`WorkerRegistry.unrouted`: a
@@ -1157,7 +1165,7 @@ class RouterService:
                 self.unheard.check([info.worker for info in registered])
                 lives = [live for info in counted if (live := self.view.liveness(info.worker)) is not None]
                 longest = max((live.period_s for live in lives), default=DEFAULT_PERIOD_S)
-                statuses = self._statuses(counted)
+                statuses = self._statuses(registered, counted)
                 # Workers silent in bulk may be NATS hung under this router: ask it before saying so.
                 nc = self._load_nc or self._nc
                 unanswered = mostly_silent(statuses) and nc is not None and not await nats_answers(nc, NATS_PROBE_S)

@@ -181,6 +181,44 @@ def test_a_lora_adapters_prefix_is_its_own_chain() -> None:
         assert other is not None and max(c.overlap_blocks for c in other.ctx.decode_pool) == 0, name
 
 
+def test_an_adapters_request_is_hashed_at_its_models_block_size_and_never_moves_it() -> None:
+    """The block-size vote is the model's: a request naming an adapter (or an alias) runs on part of
+    the model's workers, and a vote of theirs, settled as the model's standing size, gave every later
+    tie of the model's own requests to the adapter's side: a and b, at the size the model was served
+    with, left out as `block_size` (until 2026-12-07)."""
+    f = Fleet(winfo("a", adapters=["lora"]), winfo("b"))
+    assert f.ctx(list(range(64))).block_size == 16  # served at 16
+    f.clock.now += 1.0
+    f.infos += [winfo("c", block_size=32, adapters=["lora"]), winfo("d", block_size=32, adapters=["lora"])]
+    for w in ("a", "b", "c", "d"):
+        f.planner.eligibility.added(w)
+        f.report(w)
+    assert f.ctx(list(range(64))).block_size == 16  # two against two: the tie goes to the standing 16
+    ctx = f.planner.context("r-lora", "lora", list(range(64)))
+    plan = f.planner.take(ctx)
+    assert ctx.block_size == 16 and plan is not None and [c.worker for c in ctx.decode_pool] == ["a"]
+    assert {e["worker"]: e["excluded"] for e in ctx.excluded} == {"c": "block_size", "d": "block_size"}
+    ctx = f.ctx(list(range(64)), "r2")
+    plan = f.planner.take(ctx)
+    assert ctx.block_size == 16 and plan is not None and {c.worker for c in ctx.decode_pool} == {"a", "b"}
+    assert {e["worker"]: e["excluded"] for e in ctx.excluded} == {"c": "block_size", "d": "block_size"}
+
+
+def test_a_utility_call_never_moves_its_models_block_size() -> None:
+    """/tokenize goes to the workers whose engine serves it, part of the model's fleet: their vote,
+    settled as the model's standing size, gave the model's next tie to their side (until 2026-12-07)."""
+    f = Fleet(winfo("a"), winfo("b", engine="sglang"))
+    assert f.ctx(list(range(64))).block_size == 16
+    f.clock.now += 1.0
+    f.infos += [winfo("c", block_size=32), winfo("d", block_size=32)]
+    for w in ("a", "b", "c", "d"):
+        f.planner.eligibility.added(w)
+        f.report(w)
+    assert f.ctx(list(range(64))).block_size == 16
+    assert [i.worker for i in f.planner.utility_workers(MODEL, ENDPOINT_TOKENIZE)] == ["a", "c", "d"]
+    assert f.ctx(list(range(64))).block_size == 16
+
+
 def test_a_name_that_is_a_model_and_an_adapter_names_the_model() -> None:
     f = Fleet(winfo("d1"), winfo("q1", model="base-2", adapters=[MODEL]))
     ctx = f.ctx(list(range(64)))

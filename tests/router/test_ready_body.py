@@ -143,8 +143,31 @@ def test_a_model_router_counts_no_other_models_worker_left_out_that_names_it_as_
     router = RouterService(RouterConfig(model="llama"))
     router._registry = registry
     assert [st.worker for st in router.unrouted("llama")] == ["l3"]
-    assert [st.worker for st in router._statuses(router._counted()[1])] == ["l1", "l2", "l3"]
+    assert [st.worker for st in router._statuses(*router._counted())] == ["l1", "l2", "l3"]
     assert [st.worker for st in router.unrouted("chat")] == ["q3"]  # no model's name: its adapter serves it
+
+
+def test_a_router_serving_an_adapter_reads_its_workers_at_the_models_block_size_and_never_moves_it() -> None:
+    # With --model naming an adapter, /ready and the fleet check read the adapter's workers, part of
+    # the model's fleet: their block-size vote, settled every second as the model's standing size,
+    # gave the model's tie to the adapter's side, and a and b, at the size the model was served
+    # with, were left out as `block_size` (until 2026-12-07).
+    def info(worker: str, block_size: int, adapters: tuple[str, ...] = ()) -> WorkerInfo:
+        return WorkerInfo(
+            worker=worker, model="m", role="agg", engine="sim", block_size=block_size, adapters=list(adapters)
+        )
+
+    discovery = SimpleNamespace(ns="kvswitch")  # fed here: no etcd
+    registry = WorkerRegistry(discovery, lambda info: None, lambda worker: None)  # type: ignore[arg-type]
+    router = RouterService(RouterConfig(model="lora"))
+    router._registry = registry
+    registry.apply(Put("a", info("a", 16, ("lora",)), 1))
+    registry.apply(Put("b", info("b", 16), 2))
+    assert router.eligibility.block_sizes(registry.workers()) == {"m": 16}  # served at 16
+    registry.apply(Put("c", info("c", 32, ("lora",)), 3))
+    registry.apply(Put("d", info("d", 32, ("lora",)), 4))
+    assert [st.worker for st in router._statuses(*router._counted())] == ["a", "c", "d"]
+    assert router.eligibility.block_sizes(registry.workers()) == {"m": 16}
 
 
 def _samples(router: RouterService, name: str) -> dict[tuple[str, ...], float]:
