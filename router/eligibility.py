@@ -34,9 +34,10 @@ while (first reason wins):
   failure starts a new cooldown. Its requests prefill on the other prefill workers, or, with none
   left, on their decode worker. One whose legs only lacked a usable transfer handle still serves
   whole requests (`serves_whole`): the planner may spill to it (spill_to_prefill); a hung or
-  failing one takes none. An episode's start is a WARNING naming the worker, its end an INFO; a
-  prefill fleet misconfigured alike fails every worker's legs (and, fixed, serves again all at
-  once), so in a window of 10 s the first eight are named, the rest counted in one line
+  failing one takes none, nor one whose spills fail with its engine's server errors (its
+  `engine_failing` episode, hidden by this exclusion). An episode's start is a WARNING naming the
+  worker, its end an INFO; a prefill fleet misconfigured alike fails every worker's legs (and,
+  fixed, serves again all at once), so in a window of 10 s the first eight are named, the rest counted in one line
   (router.fleet_lines), for the failures and the ends alike;
 - `draining`: its shim got SIGTERM (LoadReport.draining): its requests in flight finish, a new one
   would be refused, so none is sent (a rolling restart costs no retry);
@@ -374,12 +375,16 @@ class Eligibility:
     def serves_whole(self, worker: str) -> bool:
         """`worker`, left out as `prefill_failing`, failed its legs only by giving no transfer
         handle: its engine still serves a whole request (spill_to_prefill), unless what that
-        exclusion hides keeps it from one too (draining, engine unhealthy)."""
+        exclusion hides keeps it from one too (draining, engine unhealthy, or `engine_failing`: the
+        spills themselves, agg legs, failing with its engine's server errors)."""
         held = self._prefill_failing.get(worker)
         if held is None or not held.serves_whole:
             return False
         live = self._liveness(worker)
-        return live is None or (live.healthy and not live.draining)
+        if live is not None and (not live.healthy or live.draining):
+            return False
+        engine = self._engine_failing.get(worker)
+        return engine is None or not engine.out(self._clock())
 
     def reported(self, worker: str) -> None:
         """A load report from `worker` arrived: it is alive, whatever was marked before."""

@@ -493,6 +493,8 @@ class Planner:
             plan = self._spill_plan(ctx, failing)
             if plan is None:
                 return None
+            # past its `engine_failing` cooldown, this spill is the trial of its worker's engine
+            self.eligibility.engine_probe(plan.decode.worker, self.settings.prefill_timeout_s)
             self.disagg.record(plan.outcome)
             self._reached(ctx, held, ctx.cached_tokens(plan.decode), plan)
         else:

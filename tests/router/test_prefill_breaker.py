@@ -15,7 +15,13 @@ import pytest
 
 from protocol.messages import BAD_TRANSFER_HANDLE, WorkerInfo
 from router.dispatch import _prefill_fault
-from router.eligibility import PREFILL_COOLDOWN_S, Eligibility, Exclusion
+from router.eligibility import (
+    ENGINE_COOLDOWN_S,
+    ENGINE_FAILING_AFTER,
+    PREFILL_COOLDOWN_S,
+    Eligibility,
+    Exclusion,
+)
 from router.leg import LegError
 from router.load_view import Liveness
 from router.policies import Outcome, Path
@@ -428,3 +434,30 @@ def test_a_prefill_worker_left_out_for_giving_no_transfer_handle_still_takes_spi
     f.planner.eligibility.prefill_leg("p1", "no prefill answer within prefill_timeout_s (30s)")  # now it hangs
     f.report("p1")
     assert f.planner.take(f.ctx(list(range(192, 256)), "r3")) is None  # waits for decode room
+
+
+def test_a_prefill_worker_whose_spills_fail_with_its_engines_server_errors_takes_no_more_spills() -> None:
+    """A spill is an agg leg: its engine's 5xx start an `engine_failing` episode, which
+    `prefill_failing` hides from its status. Until 2026-12-07 spills went on to it, each a failed
+    leg and a retry, until its next prefill probe (PREFILL_COOLDOWN_S)."""
+    f = _spill_fleet()
+    f.planner.eligibility.prefill_leg("p1", "its prefill legs return no transfer handle", True)
+    f.report("d1", running=100)  # no decode room
+    f.report("p1")
+    plan = f.planner.take(f.ctx(list(range(64)), "r0"))
+    assert plan is not None and (plan.decode.worker, plan.outcome) == ("p1", Outcome.SPILLED_TO_PREFILL)
+    for _ in range(ENGINE_FAILING_AFTER):
+        f.clock.now += 0.1
+        f.planner.eligibility.engine_leg("p1", "engine_error 500: internal server error")
+    f.report("d1", running=100)
+    f.report("p1")
+    assert not f.planner.eligibility.serves_whole("p1")
+    assert f.planner.take(f.ctx(list(range(64, 128)), "r1")) is None  # waits for decode room
+    f.clock.now += ENGINE_COOLDOWN_S + 0.1  # the engine's cooldown over: spills try it again
+    f.report("d1", running=100)
+    f.report("p1")
+    plan = f.planner.take(f.ctx(list(range(128, 192)), "r2"))
+    assert plan is not None and (plan.decode.worker, plan.outcome) == ("p1", Outcome.SPILLED_TO_PREFILL)
+    f.report("d1", running=100)
+    f.report("p1")
+    assert f.planner.take(f.ctx(list(range(192, 256)), "r3")) is None  # one spill is the trial
