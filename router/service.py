@@ -1338,13 +1338,13 @@ class RouterService:
         if (problem := self._load_problem(msg.subject, report)) is not None:
             self._load_dropped(msg.subject, problem)
             return
-        if self._registry is None:
-            return  # before the registry starts: every worker is unknown then, none is counted
+        if self._registry is None or not self._registry_ready:
+            return  # before the registry's first read of etcd every worker is unknown: none is counted
         info = self._registry.get(report.worker)
         if info is None:
             self.load_unknown += 1  # not (yet) registered: holding it would let anyone grow our memory
             # not each worker at startup, nor one whose registration lands just after its first reports
-            due = self._registry_ready and self._first_heard.past_grace(report.worker)
+            due = self._first_heard.past_grace(report.worker)
             if due and self._load_said("unknown", report.worker):
                 self._unregistered_lines.say(
                     report.worker,

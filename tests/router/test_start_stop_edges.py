@@ -26,6 +26,13 @@ async def test_load_reports_read_before_the_registry_starts_are_not_counted_as_f
     for _ in range(3):
         await router._on_load(_report(router.ns, "w1"))  # type: ignore[arg-type]
     assert router.load_unknown == 0
+    # started, its first read of etcd not yet in: every worker still reads as unknown (review)
+    router._registry = SimpleNamespace(get=lambda worker: None)  # type: ignore[assignment]
+    await router._on_load(_report(router.ns, "w1"))  # type: ignore[arg-type]
+    assert router.load_unknown == 0
+    router._registry_ready = True  # read: a worker with no record now is one
+    await router._on_load(_report(router.ns, "w1"))  # type: ignore[arg-type]
+    assert router.load_unknown == 1
 
 
 class _Failing:
