@@ -214,6 +214,7 @@ class _Worker:
     want_dump: bool = True
     why: str = "waiting for the shim's first full state"
     asked_at: int = 0  # arrival no. of the last batch received before the current request went out
+    dropped_at: int = 0  # arrival no. of the batch whose coming dropped held ones past a bound, the last
     sent_ts: float = math.inf  # shim time of what brought the index to its seq (see _check_ahead)
     behind: _Behind | None = None  # the seq a report showed ahead of the index, until the index reaches it
     reported: tuple[int, int] = (0, 0)  # (kv_epoch, kv_seq) of its last report ahead of the index
@@ -746,6 +747,7 @@ class KvIngest:
         state.why = why
 
     def _hold(self, state: _Worker, batch: KvEventBatch, skipped: Skipped) -> None:
+        self._arrivals += 1  # held or dropped: either comes after any request sent before it
         size = _held_size(batch)
         if self._held_total + size > self._held_total_bytes_limit:
             self._expire_unknown(self._clock())  # stale batches of unknown workers must not keep the budget
@@ -757,6 +759,7 @@ class KvIngest:
             self.stats.dropped_overflow += dropped
             self._set_held(state, [])
             state.want_dump = True
+            state.dropped_at = self._arrivals
             others_full = self._held_total + size > self._held_total_bytes_limit  # the others' fill the budget
             if others_full:
                 self.stats.dropped_overflow += 1
@@ -764,7 +767,6 @@ class KvIngest:
             self._overflowed(state, dropped, "all workers'" if over_total else "its own")
             if others_full:
                 return
-        self._arrivals += 1
         state.held.append((self._arrivals, batch, skipped))
         state.held_bytes += size
         self._held_total += size
@@ -1106,6 +1108,13 @@ class KvIngest:
                 state.want_dump = True
                 state.why = f"its replay {gap}: a full dump is next"
                 return
+        if state.dropped_at > state.asked_at:
+            # Batches that came after the request were dropped (_hold): the reply may not have them
+            # all, and what it lacks is lost. Synced now, the worker would be routed on that hole
+            # until its next batch showed a gap; the full dump the overflow's WARNING promises.
+            state.want_dump = True
+            state.why = "held KV batches dropped past a bound while it repaired: a full dump is next"
+            return
         self._drop_contradicted(state, first.epoch, first.seq)
         if self._drain_held(state):
             if sync.state is not SyncState.SYNCED:

@@ -892,6 +892,61 @@ async def test_a_short_replay_is_said_of_a_worker_whose_garbled_reply_was_said_b
     assert ingest.index.dump() == shim.expected()
 
 
+def _batch(seq: int, *hashes: int) -> KvEventBatch:
+    return KvEventBatch(worker="a1", epoch=7, seq=seq, ts=0.0, events=[Stored(hashes=list(hashes))])
+
+
+def _stored(seq: int, *hashes: int) -> bytes:
+    return encode_msg(_batch(seq, *hashes))
+
+
+# 392 bytes held for a batch of one listed hash, 2,752 for one of 60: past the bound alone
+_BIG = range(100, 160)
+
+
+async def test_batches_dropped_past_the_shared_bound_during_a_replay_leave_the_worker_to_a_full_dump(
+    nc: Client, ns: str
+) -> None:
+    """Audit of mod-ingest: the shared bound dropped the batches held while a replay was asked, and
+    the one that came; the reply found nothing held and synced the worker at its own seq, routed on
+    an index without them until its next batch showed a gap. The overflow's WARNING said a full
+    dump catches up: one does."""
+    ing = KvIngest(nc, ns, BlockIndex(), held_total_bytes_limit=2000)  # not started: its repairs driven here
+    ing.add_worker("a1", 7)
+    ing.repair_request("a1")
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=0, dump=True, hashes=[])])
+    ing._on_payload("a1", _stored(1, 1))
+    ing._on_payload("a1", _stored(3, 3))  # seq 2 lost: a replay
+    assert ing.repair_request("a1") == KvStateRequest(since_seq=1, epoch=7)
+    for seq in (4, 5, 6):  # sent after the shim answered: held until the reply is in
+        ing._on_payload("a1", _stored(seq, seq))
+    ing._on_payload("a1", _stored(7, *_BIG))  # past the bound: it and the four held dropped
+    assert ing.stats.dropped_overflow == 5 and ing.stats.workers["a1"].buffered == 0
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=3, batches=[_batch(2, 2), _batch(3, 3)])])
+    assert ing.sync_state("a1") == (
+        "repairing",
+        "held KV batches dropped past a bound while it repaired: a full dump is next",
+    )
+    assert ing.repair_request("a1") == KvStateRequest()
+    full = [1, 2, 3, 4, 5, 6, *_BIG]
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=7, dump=True, hashes=full)])
+    assert ing.sync_state("a1") is None
+    assert ing.index.dump() == {"a1": sorted(full)} and ing.stats.workers["a1"].last_seq == 7
+
+
+async def test_batches_dropped_past_the_shared_bound_during_a_dump_are_dumped_again(nc: Client, ns: str) -> None:
+    # A dump reply reset want_dump: the same hole, from a worker's first dump.
+    ing = KvIngest(nc, ns, BlockIndex(), held_total_bytes_limit=2000)
+    ing.add_worker("a1", 7)
+    assert ing.repair_request("a1") == KvStateRequest()
+    ing._on_payload("a1", _stored(1, 1))
+    ing._on_payload("a1", _stored(2, *_BIG))  # past the bound: both dropped
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=0, dump=True, hashes=[])])  # answered before
+    assert ing.sync_state("a1") is not None and ing.repair_request("a1") == KvStateRequest()
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=2, dump=True, hashes=[1, *_BIG])])
+    assert ing.sync_state("a1") is None and ing.index.dump() == {"a1": [1, *_BIG]}
+
+
 async def test_an_index_that_trails_every_report_by_a_batch_has_lost_nothing(
     nc: Client, ns: str, shim: FakeShim
 ) -> None:
