@@ -129,6 +129,7 @@ max_payload. A peer reads a part in well under a millisecond and gives its loop 
 messages (runtime.turns), so a large snapshot never holds a peer's loop for long."""
 _T = TypeVar("_T", SyncEntry, SyncBooking)
 _DEPARTED_MEMORY = 1024
+_FORMER_IDS = 16  # this router's ids before its last renames: their echoes come within moments
 _LOGGED_SENDERS = 64  # unregistered senders named in the log; a forger minting ids gets no more lines
 _LOGGED_MALFORMED = 64  # (peer, slot)s whose malformed messages are logged, at a time
 _LOGGED_EXPIRED = 8  # peers named in one expiry or heal pass's WARNINGs; the rest share one line
@@ -250,6 +251,7 @@ class ReplicaSync:
         self._peers: set[str] = set()
         self._registered: set[str] | None = None  # None: not watching (no discovery), or no snapshot yet
         self._departed: deque[str] = deque(maxlen=_DEPARTED_MEMORY)
+        self._former_ids: deque[str] = deque(maxlen=_FORMER_IDS)
         # (peer, slot) of the malformed messages logged, until the peer goes; peer None: no key here
         self._malformed_logged: set[tuple[str | None, str]] = set()
         self._newer_kinds = NewerKinds(self.stats.entries_unknown)
@@ -334,6 +336,11 @@ class ReplicaSync:
 
     def rename(self, router_id: str) -> None:
         """Our id changed (a new registration): later messages go out under it."""
+        # NATS echoes what we published under the old id just before: ours, never a peer's (booked
+        # twice) nor a forger's (a WARNING where the old key's delete came first). "": a router's
+        # id before its first registration, under which nothing went out.
+        if self.router_id:
+            self._former_ids.append(self.router_id)
         self.router_id = router_id
         if self.peer_settings is not None:
             self.peer_settings.gone(router_id)  # its key may have been read before we knew it was ours
@@ -499,7 +506,7 @@ class ReplicaSync:
             self._undecodable(data, exc)
             return
         peer = sync.router
-        if peer == self.router_id:
+        if peer == self.router_id or peer in self._former_ids:
             return
         if peer in self._departed:
             self.stats.departed += 1

@@ -298,6 +298,66 @@ async def test_a_router_whose_key_comes_back_in_a_fresh_snapshot_is_heard_again(
         await b.stop()
 
 
+async def _echo_of_the_old_id_then_a_peers_booking(nc: Client, ns: str, old: str, peer: str, b: ReplicaSync) -> None:
+    """Our booking as published under our old id just before the rename, echoed back by NATS; then,
+    on the same connection so after it, the peer's booking on another worker: once that one is in,
+    the echo was handled."""
+    echo = SyncEntry(request_id="r1", worker="w1", kind="add", tokens=10, blocks=3)
+    await nc.publish(subjects.sync(ns), encode_msg(RouterSync(router=old, entries=[echo])))
+    peers = SyncEntry(request_id="r2", worker="w2", kind="add", tokens=10, blocks=3)
+    await nc.publish(subjects.sync(ns), encode_msg(RouterSync(router=peer, entries=[peers])))
+    await until(lambda: b.view.bookings("w2") == 1, what="the peer's booking taken")
+
+
+async def test_an_echo_under_our_id_from_before_a_rename_whose_key_went_first_is_dropped_quietly(
+    nc: Client, ns: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Audit of mod-ingest: forget_router skips our own id, so once renamed the old one was any
+    unregistered sender's: the echo said a WARNING of a forged sender, naming this router."""
+    caplog.set_level(logging.INFO, logger="router.replica_sync")
+    settings = EtcdSettings(endpoints=[etcd_url])
+    async with Discovery(settings, ns) as disc, Discovery(settings, ns) as disc_a:
+        peer = await disc_a.register_router(_info, ttl=5)
+        lease = await disc.register_router(_info, ttl=5)
+        b = ReplicaSync(nc, ns, lease.hex_id, LoadView(), flush_ms=1.0, discovery=disc)
+        await b.start()
+        try:
+            await until(lambda: bool(b.registered(lease.hex_id) and b.registered(peer.hex_id)), what="both keys")
+            b.add("r1", "w1", 10, 3)
+            await disc.release(lease)  # our lease lost
+            await until(lambda: b.registered(lease.hex_id) is False, what="our old key gone")
+            b.rename((await disc.register_router(_info, ttl=5)).hex_id)  # as RouterService._registered_anew
+            await _echo_of_the_old_id_then_a_peers_booking(nc, ns, lease.hex_id, peer.hex_id, b)
+            assert b.view.bookings("w1") == 1 and (b.stats.unregistered, b.stats.departed) == (0, 0)
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+        finally:
+            await b.stop()
+
+
+async def test_an_echo_under_our_id_from_before_a_rename_whose_key_goes_later_is_not_booked_twice(
+    nc: Client, ns: str, etcd_url: str
+) -> None:
+    """Audit of mod-ingest: renamed before the watch saw the old key go, the echo came from a
+    registered router: our own booking counted again, as a peer's, in our load view."""
+    settings = EtcdSettings(endpoints=[etcd_url])
+    async with Discovery(settings, ns) as disc, Discovery(settings, ns) as disc_a:
+        peer = await disc_a.register_router(_info, ttl=5)
+        lease = await disc.register_router(_info, ttl=5)
+        b = ReplicaSync(nc, ns, lease.hex_id, LoadView(), flush_ms=1.0, discovery=disc)
+        await b.start()
+        try:
+            await until(lambda: bool(b.registered(lease.hex_id) and b.registered(peer.hex_id)), what="both keys")
+            b.add("r1", "w1", 10, 3)
+            b.rename((await disc.register_router(_info, ttl=5)).hex_id)
+            await _echo_of_the_old_id_then_a_peers_booking(nc, ns, lease.hex_id, peer.hex_id, b)
+            assert b.view.bookings("w1") == 1 and b.view.load("w1").active_blocks == 3
+            await disc.release(lease)
+            await until(lambda: b.stats.routers_forgotten == 1, what="the old id forgotten")
+            assert b.view.bookings("w1") == 1
+        finally:
+            await b.stop()
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
