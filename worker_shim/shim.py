@@ -1390,10 +1390,15 @@ class WorkerShim:
             for subject, cb in handlers:
                 presence.subs.append(await nc.subscribe(subject, cb=cb))
             await flush(nc)
+        except asyncio.CancelledError:
+            # The session ending: held as the current presence, its end closes it with the retired
+            # ids under the stop's one short barrier (closed here, a second barrier followed).
+            self._presence = presence
+            raise
         except BaseException:
-            # Held by nothing else yet: left open, a cancellation (the session ending) or a retry
-            # of the registration had each request of this id reach a second handler. No key of
-            # this registration names the id yet: the stop's short barrier.
+            # Held by nothing else yet: left open, a retry of the registration had each request of
+            # this id reach a second handler. No key of this registration names the id yet: the
+            # stop's short barrier.
             await self._close_presences(presence, timeout=UNSUB_STOP_S)
             raise
         # The server refuses a subject of another identity only in an -ERR (read before the flush's
