@@ -1338,10 +1338,12 @@ class RouterService:
         if (problem := self._load_problem(msg.subject, report)) is not None:
             self._load_dropped(msg.subject, problem)
             return
-        if self._registry is None or not self._registry_ready:
-            return  # before the registry's first read of etcd every worker is unknown: none is counted
+        if self._registry is None:
+            return  # before the registry starts: every worker is unknown then, none is counted
         info = self._registry.get(report.worker)
         if info is None:
+            if not self._registry_ready:
+                return  # nor before its first read of etcd is in: a record may be on its way
             self.load_unknown += 1  # not (yet) registered: holding it would let anyone grow our memory
             # not each worker at startup, nor one whose registration lands just after its first reports
             due = self._first_heard.past_grace(report.worker)
