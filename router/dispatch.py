@@ -26,8 +26,9 @@ the leg ends with a `final` chunk or an `error` one.
   decode leg (SGLang) sends it before its final chunk, the decode leg goes at once, and
   router.prefill_watch reads the rest of the prefill leg beside it; a failure there before the
   decode leg shows output cancels that leg, waits for its end, and takes the same ways as above. A
-  decode leg that ends with nothing (an abort: SGLang aborts one whose prefill peer failed, maybe
-  before the prefill leg's error comes) waits for the prefill's verdict, three heartbeats at most.
+  decode leg that ends with nothing (an abort, or an engine's 5xx: SGLang's 500 for one whose prefill
+  peer failed, maybe before the prefill leg's error comes) waits for the prefill's verdict, three
+  heartbeats at most.
 - bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
 - a decode/agg leg whose worker dies (no responder, silent, a 5xx error chunk; not its etcd key
   gone, which legs in flight outlive: worker_gone) or answers 404 (an adapter unloaded there)
@@ -584,6 +585,7 @@ class Dispatcher:
         leg.push(chunk, len(msg.data))
         if chunk.final:
             leg.finished = True
+            leg.ended_well = chunk.error is None and chunk.finish_reason != "abort"
             # Not at an error: a retry or the KV-transfer fallback books the request again.
             if chunk.error is None:
                 leg.end(_served(leg, chunk))
@@ -1059,10 +1061,16 @@ class Dispatcher:
                 while True:
                     try:
                         chunk = await leg.next(job.deadline - time.monotonic(), silence)
-                    except LegError:
-                        if watch is None or not watch.cut:
+                    except LegError as exc:
+                        if watch is None:
                             raise
-                        raise _PrefillFailed from None  # it ended on its own meanwhile
+                        # An engine's 5xx before output may be its prefill peer's failure (SGLang's
+                        # decode server ends such a request with a 500), its reply maybe ahead of the
+                        # prefill leg's: asked of the watch as an abort's is.
+                        unserved = exc.engine_failed and not (leg.tokens_seen or leg.prefilled)
+                        if watch.cut or (unserved and await watch.verdict(silence) is not None):
+                            raise _PrefillFailed from None  # its prefill failed: the bypass takes over
+                        raise
                     if watch is not None and watch.cut_at is not None:  # its prefill failed: cut
                         await _cut_short(leg, chunk, job.deadline, silence)
                         raise _PrefillFailed

@@ -216,6 +216,7 @@ class Leg:
         self.next_seq = 0
         self.done = False
         self.finished = False  # its final chunk came: its worker runs it no more (nothing to cancel)
+        self.ended_well = False  # ... with no error, not aborted (router.prefill_watch: its KV came)
         self._ended = False  # on_end ran
         self.tokens_seen = False
         self.prefilled = False  # a chunk said the engine prefilled the prompt (ResponseChunk.prefilled)

@@ -13,12 +13,15 @@ handle at once, and this watch reads the prefill leg on beside it until its fina
   waits for its end, and takes the bypass path as for any failed remote prefill. Until 2026-12-07
   the router read the handle as the end of the prefill: a prefill the engine refused or failed was
   never heard of, and the client waited on a decode leg for KV that never came.
-- failed after the decode leg showed output, or ended well: nothing; the KV came.
-- a decode leg that ends with nothing (an abort: SGLang aborts a decode request whose prefill peer
-  failed, and its reply may come first) asks for the verdict (`verdict`): a failure falls back as
-  above. Until 2026-12-07 such an abort was the client's empty answer, the prefill's 500 never
-  judged; and one that came with the prefill's failure in one reply batch freed the attempt's
-  booking before the cut, and the fallback booked it again for good (a phantom load on the worker).
+- failed after the decode leg showed output, or ended well: nothing; the KV came. One that ended
+  with an error or an abort is marked cut all the same (nothing to cancel): its reader falls back.
+- a decode leg that ends with nothing (an abort, or an engine's 5xx: SGLang ends a decode request
+  whose prefill peer failed with a 500, and its reply may come first) asks for the verdict
+  (`verdict`): a failure falls back as above. Until 2026-12-07 such an abort was the client's empty
+  answer, the prefill's 500 never judged; and one that came with the prefill's failure in one reply
+  batch freed the attempt's booking before the cut, and the fallback booked it again for good (a
+  phantom load on the worker). Until 2026-12-07 (review of f51606a) the decode engine's 500 was its
+  own failed KV pull in either order: the pair blamed, the prefill worker never judged.
 
 A lost NATS connection is no failure here: the decode leg, on the same connection, judges itself.
 A decode leg fed by its handle that ends well (`fed()`) shows the prefill worked, whether or not the
@@ -145,7 +148,8 @@ class PrefillWatch:
         decode = self._decode
         if decode is None or self.cut_at is not None or decode.done or decode.tokens_seen or decode.prefilled:
             return
-        if decode.finished:  # nothing runs to cancel: a clean end showed the KV came, an abort's reader asks `verdict`
+        if decode.ended_well:  # the KV came: its end is the answer
             return
         self.cut_at = time.monotonic()
-        await self._cut(decode)
+        if not decode.finished:  # an error or abort that came ends it already: nothing to cancel
+            await self._cut(decode)

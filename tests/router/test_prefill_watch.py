@@ -232,8 +232,9 @@ async def test_a_prefill_that_fails_after_the_decode_leg_streams_changes_nothing
 
 class _OneBatch:
     """p1 sends its handle, then fails (a 500) in the same reply batch as w1's decode leg ends with
-    `decode_end` (ResponseChunk fields), `prefill_first` or not: SGLang aborts a decode request
-    whose prefill peer failed. w1's bypass leg answers two tokens."""
+    `decode_end` (ResponseChunk fields), `prefill_first` or not: SGLang ends a decode request
+    whose prefill peer failed (an abort with a 500 status, or without). w1's bypass leg, or a later
+    leg fed by another prefill worker's handle, answers two tokens."""
 
     def __init__(self, nc: Client, ns: str, decode_end: dict[str, Any], *, prefill_first: bool) -> None:
         self.prefill, self.decode = Worker(nc, ns, "p1"), Worker(nc, ns, "w1")
@@ -249,7 +250,7 @@ class _OneBatch:
         self._prefill_leg.set_result((msg, req))
 
     async def _on_decode(self, nc: Client, msg: Msg, req: GenerateRequest) -> None:
-        if req.disagg is None:
+        if req.disagg is None or len(self.decode.requests) > 1:
             await chunk(nc, msg, req, 0, token_ids=[5])
             await chunk(nc, msg, req, 1, token_ids=[6], final=True, finish_reason="length")
             return
@@ -299,6 +300,50 @@ async def test_a_decode_leg_that_ends_well_with_its_prefills_failure_is_the_answ
     assert ("rebook_bypass", "r1#1") not in books.log and books.log.count(("free", "r1#1")) == 1
 
 
+_DECODE_500 = {"error": ErrorInfo(code=500, kind="engine_error", message="Decode transfer failed for request")}
+
+
+@pytest.mark.parametrize("prefill_first", [True, False], ids=["prefill_error_first", "decode_error_first"])
+async def test_a_decode_legs_server_error_with_its_failed_prefill_falls_back_as_the_prefills_failure(
+    nc: Client, ns: str, router: tuple[Dispatcher, Books, Verdicts], prefill_first: bool
+) -> None:
+    """Review of f51606a: SGLang's decode server ends a request whose prefill peer failed with a 500
+    (an abort with a status: the shim's error chunk), not a plain abort. Read after the prefill's
+    failure, the watch no longer cut that finished leg, and read before it nothing asked the watch:
+    either way the 500 was a failed KV pull (fallback_transfer_failed, the pair blamed) and the
+    prefill worker's 500 never judged. Now both orders fall back for the prefill's failure."""
+    d, books, verdicts = router
+    pair = _OneBatch(nc, ns, _DECODE_500, prefill_first=prefill_first)
+    await pair.start()
+    j = job("w1", prefill="p1")
+    chunks = await asyncio.wait_for(collect(d, j), PREFILL_TIMEOUT_S)
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert (j.outcome, j.path, d.fallbacks) == (Outcome.FALLBACK_PREFILL_FAILED, Path.BYPASS, 1)
+    assert d.transfer_fallbacks == 0
+    assert books.log[0] == ("rebook_bypass", "r1#1") and books.log.count(("free", "r1#1")) == 1
+    assert [(w, fault is not None) for w, fault, _ in verdicts] == [("p1", True)]  # its 500, put down once served
+    assert not d.legs_failed  # w1's 500 was its prefill peer's
+
+
+async def test_a_decode_leg_that_failed_after_its_prefills_failure_was_read_falls_back(
+    nc: Client, ns: str, router: tuple[Dispatcher, Books, Verdicts]
+) -> None:
+    """Review of f51606a: the watch skipped a decode leg whose final chunk had come, an error's too,
+    so one that failed without an engine's 5xx (its shim lost the engine) once the prefill's failure
+    was read was its own failure, retried elsewhere, and not the fallback a prefill failure before
+    output takes. Only a clean end (the KV came) is left uncut now."""
+    d, books, verdicts = router
+    lost = ErrorInfo(code=502, kind="engine_unavailable", message="connection to the engine lost")
+    pair = _OneBatch(nc, ns, {"error": lost}, prefill_first=True)
+    await pair.start()
+    j = job("w1", prefill="p1")
+    chunks = await asyncio.wait_for(collect(d, j), PREFILL_TIMEOUT_S)
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert (j.outcome, j.path, d.fallbacks, d.retries) == (Outcome.FALLBACK_PREFILL_FAILED, Path.BYPASS, 1, 0)
+    assert books.log[0] == ("rebook_bypass", "r1#1") and books.log.count(("free", "r1#1")) == 1
+    assert [(w, fault is not None) for w, fault, _ in verdicts] == [("p1", True)]
+
+
 def _no_local(j: Job) -> Job:
     """`j` planned on decode worker w1 registered as an SGLang decode server: no local prefill."""
     d = j.plan.decode
@@ -344,3 +389,31 @@ async def test_a_failed_remote_prefill_for_a_decode_worker_that_cannot_prefill_l
         assert "cannot prefill locally" in caught.value.message and "boom" in caught.value.message
         assert d.fallbacks == 0
     assert all(r.disagg is not None for r in w1.requests)  # no bypass leg
+
+
+@pytest.mark.parametrize("prefill_first", [True, False], ids=["prefill_error_first", "decode_end_first"])
+@pytest.mark.parametrize("decode_end", [{"finish_reason": "abort"}, _DECODE_500], ids=["abort", "error_500"])
+async def test_an_sglang_decode_leg_ended_with_its_failed_prefill_is_retried_without_that_prefill_worker(
+    nc: Client, ns: str, router: tuple[Dispatcher, Books, Verdicts], decode_end: dict[str, Any], prefill_first: bool
+) -> None:
+    """Review of f51606a: on an SGLang decode server (no local prefill) the decode engine's 500 for
+    its failed prefill peer was its own failed pull, and the retry left out the decode worker w1
+    instead of p1. Now the prefill's failure is the attempt's, however w1 ended its leg: the retry
+    goes to another prefill worker with w1 kept."""
+    d, _, verdicts = router
+    pair = _OneBatch(nc, ns, decode_end, prefill_first=prefill_first)
+    await pair.start()
+    p2 = Worker(nc, ns, "p2")
+
+    async def prefills(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        handle = TransferHandle(engine="sglang", params=TRIPLE)
+        await chunk(nc, msg, req, 0, final=True, finish_reason="length", transfer=handle)
+
+    await p2.serve("prefill", prefills)
+    j = _no_local(job("w1", prefill="p1", replans=[_no_local(job("w1", prefill="p2")).plan]))
+    chunks = await asyncio.wait_for(collect(d, j), PREFILL_TIMEOUT_S)
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert (sorted(j.tried), j.path, d.retries, d.transfer_fallbacks) == (["p1", "w1"], Path.REMOTE, 1, 0)
+    assert len(p2.requests) == 1 and all(r.disagg is not None for r in pair.decode.requests)  # no bypass leg
+    assert [(w, fault) for w, fault, _ in verdicts] == [("p2", None)]
+    assert not d.legs_failed
