@@ -355,7 +355,7 @@ class Dispatcher:
         on_unreachable: Callable[[str, str], None] = lambda worker, why: None,
         on_malformed: Callable[[str, str], None] = lambda worker, why: None,
         on_pull: Callable[[str, str], Callable[[], None]] = lambda decode, prefill: _nothing,
-        on_prefill: Callable[[str, str | None, bool], None] = lambda worker, fault, serves_whole: None,
+        on_prefill: Callable[[str, str | None, bool, float], None] = lambda worker, fault, serves_whole, ago_s: None,
         on_engine: Callable[[str, str | None, float], None] = lambda worker, fault, ago_s: None,
         tracer: RequestTracer | None = None,
         origin: str = "",
@@ -387,8 +387,9 @@ class Dispatcher:
         self._on_malformed = on_malformed
         # (decode, prefill) per decode leg fed by a transfer; what it returns is called once its pull is over
         self._on_pull = on_pull
-        # (prefill worker, its fault or None, whether its engine still serves whole requests) per
-        # prefill leg that worked or failed through that worker
+        # (prefill worker, its fault or None, whether its engine still serves whole requests, how long
+        # ago its leg failed: a 5xx is judged once the fallback gave output) per prefill leg that
+        # worked or failed through that worker
         self._on_prefill = on_prefill
         # (worker, its engine's server error or None) per decode or agg leg that failed before its
         # first output with one, once another leg gave its request output (Job.engine_errors), or
@@ -880,8 +881,8 @@ class Dispatcher:
         for worker, fault, role, at in job.engine_errors:
             if not self._registered(worker):
                 continue  # it left meanwhile: its state went with it, one back under its name starts clean
-            if role == "prefill":
-                self._on_prefill(worker, fault, False)
+            if role == "prefill":  # its own time, as an engine's: a probe's or not (router.failing_workers)
+                self._on_prefill(worker, fault, False, now - at)
             else:
                 self._on_engine(worker, fault, now - at)  # its own time: a trial's or not (router.failing_workers)
         job.engine_errors.clear()
@@ -1226,7 +1227,7 @@ class Dispatcher:
     def _prefill_worked(self, job: Job, plan: RoutePlan) -> None:
         """The attempt's prefill leg ended well: its worker worked, and its booking there settles."""
         assert plan.prefill is not None
-        self._on_prefill(plan.prefill.worker, None, True)
+        self._on_prefill(plan.prefill.worker, None, True, 0.0)
         # The prefill worker's part only: the decode worker's blocks count until its own first
         # token (or `prefilled`), as its engine may keep the request waiting for KV room. Not
         # where d's engine announces no blocks (no prefix caching) and the answer comes whole:
@@ -1263,7 +1264,7 @@ class Dispatcher:
             return
         fault = _prefill_fault(exc, settings.prefill_timeout_s, left, handed=handed)
         if fault is not None and not exc.engine_failed:
-            self._on_prefill(worker, *fault)
+            self._on_prefill(worker, *fault, 0.0)
         if time_up(job.deadline):
             # No time for the bypass leg: the request ends with this leg's error (blamed by run),
             # a 504 naming this worker where it ran out the time, not the decode worker's unsent

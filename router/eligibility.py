@@ -309,18 +309,20 @@ class Eligibility:
     def mark_malformed(self, worker: str, why: str) -> None:
         self._malformed[worker] = (self._clock(), why)
 
-    def prefill_leg(self, worker: str, fault: str | None, serves_whole: bool = False) -> None:
+    def prefill_leg(self, worker: str, fault: str | None, serves_whole: bool = False, ago_s: float = 0.0) -> None:
         """A prefill leg on `worker` ended: `fault` says why it failed through the worker's own
-        fault (with the likely fix), None when it gave a transfer handle. A failure leaves the
-        worker out for PREFILL_COOLDOWN_S (a WARNING at an episode's start); a leg that works past
-        the cooldown, the probe, ends the episode (one within it was planned before the failure).
+        fault (with the likely fix), None when it gave a transfer handle; `ago_s` before now (an
+        engine's 5xx is judged only once the fallback gave output). A failure leaves the worker out
+        for PREFILL_COOLDOWN_S (a WARNING at an episode's start); a leg that works past the
+        cooldown, the probe, ends the episode (one within it was planned before the failure), and a
+        failure of a leg from before the probe leaves the probe's verdict standing.
         `serves_whole`: its engine answered but gave no usable transfer handle, so it still serves a
         whole request (its last failure's say)."""
         if fault is None:
             if self._prefill_failing.worked(worker) is not None:
                 self._prefill_episodes.ended(worker, "prefill worker %s serves prefill legs again", worker)
             return
-        if self._prefill_failing.failed(worker, fault, serves_whole) is not None:
+        if self._prefill_failing.failed(worker, fault, serves_whole, ago_s) is not None:
             self._prefill_episodes.began(
                 worker,
                 "prefill worker %s failed a prefill leg through its own fault: %s. Its requests prefill on other "

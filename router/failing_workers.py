@@ -5,9 +5,10 @@ A worker's episode begins once `after` of its legs in a row have failed, the fir
 `window_s` of the last; a leg that works in between starts the count again. It is left out while its
 cooldown runs from its last failure, and past it the next request planned there is the trial
 (`trial`), which holds it for its leg's time limit unless its verdict comes first. A failure is
-reported with its own time (`ago_s`: an engine's 5xx is judged only once the request's retry gave
-output, maybe past the cooldown). One of a leg that failed while a trial was under way, or after
-it began, is the trial's: it doubles the cooldown, up to `max_cooldown_s`. Any other (a leg planned
+reported with its own time (`ago_s`: an engine's 5xx, a prefill leg's too, is judged only once the
+request's retry or fallback gave output, maybe past the cooldown). One of a leg that failed while a
+trial was under way, or after it began, is the trial's: it doubles the cooldown, up to
+`max_cooldown_s` (prefill_failing's does not double). Any other (a leg planned
 before the cooldown began, or one sent while its whole pool is left out and serves all the same)
 starts the cooldown again at its length from that failure, unless it is older than the one the
 cooldown runs from or than a trial under way, whose verdict stands. A leg that works past the

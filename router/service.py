@@ -1207,9 +1207,9 @@ class RouterService:
             return lambda: None
         return self.planner.disagg.transfers.pulling(decode, prefill)
 
-    def _on_prefill(self, worker: str, fault: str | None, serves_whole: bool) -> None:
+    def _on_prefill(self, worker: str, fault: str | None, serves_whole: bool, ago_s: float) -> None:
         if self._registered(worker):  # its leg may end after it left (a held blame: Dispatcher._served_despite)
-            self.eligibility.prefill_leg(worker, fault, serves_whole)
+            self.eligibility.prefill_leg(worker, fault, serves_whole, ago_s)
 
     def _on_worker_remove(self, worker: str) -> None:
         self.planner.disagg.forget(worker)

@@ -172,12 +172,13 @@ class Reports:
         self.engine: list[tuple[str, str | None]] = []
         self.ago: list[float] = []  # ... each one's age (ago_s)
         self.prefill: list[tuple[str, str | None]] = []
+        self.prefill_ago: list[float] = []  # ... each one's age (ago_s)
         self.pulls: list[tuple[str, str, bool]] = []
         self.gone: set[str] = set()  # workers whose keys went
         self.dispatcher = Dispatcher(
             nc, ns, Books(), settings=lambda: RouterSettings(stream_heartbeat_s=HB),
             on_engine=self._on_engine,
-            on_prefill=lambda worker, fault, whole: self.prefill.append((worker, fault)),
+            on_prefill=self._on_prefill,
             on_transfer=lambda decode, prefill, ok: self.pulls.append((decode, prefill, ok)),
             registered=lambda worker: worker not in self.gone,
         )  # fmt: skip
@@ -185,6 +186,10 @@ class Reports:
     def _on_engine(self, worker: str, fault: str | None, ago_s: float) -> None:
         self.engine.append((worker, fault))
         self.ago.append(ago_s)
+
+    def _on_prefill(self, worker: str, fault: str | None, serves_whole: bool, ago_s: float) -> None:
+        self.prefill.append((worker, fault))
+        self.prefill_ago.append(ago_s)
 
     def faults(self) -> list[tuple[str, str | None]]:
         return [(worker, fault) for worker, fault in self.engine if fault is not None]
@@ -277,6 +282,22 @@ async def test_a_prefill_server_error_is_put_down_to_the_latest_prefill_leg_only
     assert [c.token_ids for c in chunks] == [[5], [6]]
     assert [w for w, fault in reports.prefill if fault is not None] == ["p2"]
     assert reports.faults() == []
+
+
+async def test_a_prefill_server_error_is_reported_with_its_own_time(nc: Client, ns: str, reports: Reports) -> None:
+    """Review of 5536a0b: a prefill leg's 5xx, judged once the fallback gave output, came with no age,
+    so one from a leg sent before a prefill_failing probe was the probe's (router.failing_workers)."""
+    await FakeWorker(nc, ns, "p1").serve("prefill", fail_with(500, "engine_error"))
+
+    async def slow_first_token(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        await asyncio.sleep(2 * HB)  # within the leg's silence of three heartbeats
+        await answer(nc, msg, req)
+
+    await FakeWorker(nc, ns, "d1").serve("decode", slow_first_token)
+    chunks = await collect(reports.dispatcher, job("d1", prefill="p1"))
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert [(w, fault is not None) for w, fault in reports.prefill] == [("p1", True)]
+    assert reports.prefill_ago[0] >= 2 * HB
 
 
 @pytest.mark.parametrize(

@@ -137,6 +137,22 @@ def test_a_prefill_worker_failing_its_legs_is_left_out_then_probed_once_per_cool
     assert "prefill worker p1" in said[0][1] and NO_CONNECTOR in said[0][1]
 
 
+def test_a_prefill_failure_reported_late_is_not_the_probes() -> None:
+    """Review of 5536a0b: a prefill leg's 5xx is reported only once its fallback gave output, and came
+    with no age: one of a leg sent before the probe, reported during it, dropped the probe and began
+    the wait again, and the probe's success then readmitted nothing. Now it leaves the probe's
+    verdict standing, as engine_failing's late failure does."""
+    w = World()
+    w.elig.prefill_leg("p1", "its engine failed a prefill leg (engine_error 500)")
+    w.now += PREFILL_COOLDOWN_S + 1.0
+    w.elig.prefill_probe("p1", 30.0)
+    w.now += 0.5
+    w.elig.prefill_leg("p1", "its engine failed a prefill leg (engine_error 500)", ago_s=2.0)  # sent before the probe
+    assert w.exclusion() is Exclusion.PREFILL_FAILING  # the probe still holds it
+    w.elig.prefill_leg("p1", None)  # the probe worked: readmitted
+    assert w.exclusion() is None
+
+
 def test_a_worker_that_leaves_takes_its_prefill_episode_with_it() -> None:
     w = World()
     w.elig.prefill_leg("p1", "a server error")

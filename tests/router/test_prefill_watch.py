@@ -103,7 +103,7 @@ async def router(nc: Client, ns: str) -> AsyncIterator[tuple[Dispatcher, Books, 
     d = Dispatcher(
         nc, ns, books,
         settings=lambda: RouterSettings(stream_heartbeat_s=HB, prefill_timeout_s=PREFILL_TIMEOUT_S),
-        on_prefill=lambda w, fault, whole: verdicts.append((w, fault, whole)),
+        on_prefill=lambda w, fault, whole, ago_s: verdicts.append((w, fault, whole)),
     )  # fmt: skip
     await d.start()
     yield d, books, verdicts

@@ -229,7 +229,7 @@ async def test_a_prefill_whose_decode_leg_ends_first_is_judged_and_not_aborted(n
         verdicts: list[tuple[str, str | None, bool]] = []
         router = Dispatcher(
             nc, ns, Books(), settings=lambda: RouterSettings(stream_heartbeat_s=HB),
-            on_prefill=lambda w, fault, whole: verdicts.append((w, fault, whole)),
+            on_prefill=lambda w, fault, whole, ago_s: verdicts.append((w, fault, whole)),
         )  # fmt: skip
         await router.start()
         stack.push_async_callback(router.stop)
