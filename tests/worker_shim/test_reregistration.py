@@ -578,6 +578,59 @@ async def test_a_stop_with_nats_frozen_closes_every_worker_id_under_one_short_ba
             await nc.close()
 
 
+async def test_a_stop_cancelling_a_re_registration_mid_subscribe_closes_its_id_with_the_retired_under_one_barrier(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stop (Registration.stop cancels the hook) while a re-registration's SUBs waited on a frozen
+    server: the new id's presence was closed under a 2 s barrier of its own, then the retired id under
+    a second, two WARNINGs and twice the stop's bound. Now the new presence is the session's, closed
+    with the retired id under the one barrier."""
+    caplog.set_level(logging.WARNING, "worker_shim.shim")
+
+    async def ignore(msg: Any) -> None:
+        pass
+
+    async def drain(grace: float) -> tuple[int, int]:
+        return (0, 0)
+
+    def barriers() -> list[str]:
+        return [m for r in caplog.records if r.levelno == logging.WARNING and "did not finish" in (m := r.getMessage())]
+
+    with NatsServer() as server:
+        nc, requester = await connect(server.url), await connect(server.url)
+        requests = SimpleNamespace(inflight={}, on_generate=ignore, on_cancel=ignore, drain=drain)
+        shim = _named_session(nc, requests)
+        shim.config = SimpleNamespace(worker_name="gpu", grace_s=5.0, drain_grace_s=0.0)  # type: ignore[assignment]
+        shim._drained = (0, 0)
+        shim._stopping.set()
+        retiring = asyncio.create_task(asyncio.sleep(60))  # the old id's grace, not over
+        try:
+            shim._retired[await _presence_on(nc, "old", ignore)] = retiring
+            pid = server.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                hook = asyncio.create_task(shim._before_announce("new"))  # Registration: before_create
+                await wait_for(lambda: len(nc._subs) == 10, 5, "the new id subscribed, its flush frozen")
+                shim.registration = _Stops(hook)  # type: ignore[assignment]
+                await shim._end_session()
+                assert hook.cancelled()
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert shim._retired == {} and shim._presence is None and nc._subs == {}
+            said = barriers()
+            assert len(said) == 1, said
+            assert "closing worker id(s) old, new did not finish within its 2.0 s bound" in said[0], said
+            await flush(nc)  # the server has read the UNSUBs sent while it was frozen
+            for worker in ("old", "new"):
+                with pytest.raises(nats.errors.NoRespondersError):
+                    await requester.request(subjects.gen("ns", "agg", worker), b"q", timeout=5)
+        finally:
+            retiring.cancel()
+            await requester.close()
+            await nc.close()
+
+
 async def test_a_retirements_close_that_fails_after_its_caller_was_cancelled_is_said(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
