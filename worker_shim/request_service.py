@@ -247,6 +247,11 @@ class ChunkWriter:
             self._heartbeat = asyncio.create_task(self._beat(heartbeat_s), name=f"heartbeat-{request_id}")
 
     async def _send(self, chunk: ResponseChunk) -> None:
+        self._number(chunk)
+        await self._pump()
+
+    def _number(self, chunk: ResponseChunk) -> None:
+        """`chunk` takes the next seq, kept in `sent` for _pump to publish."""
         data = encode_msg(chunk)  # first: a chunk that cannot be encoded takes no seq
         self.seq += 1
         if chunk.final:  # the outcome sent: counted before, a final chunk that failed counted as meant, not the 500
@@ -257,12 +262,11 @@ class ChunkWriter:
         self._sent_at.append(now)
         self.sent_bytes += len(data)
         self._keep(now)
-        await self._pump()
 
-    async def _pump(self) -> None:
+    async def _pump(self, *, paced: bool = True) -> None:
         """Publish the chunks from `_next` on, in seq order and at its router's pace (_Pace, shared
         with that router's other legs), unless another coroutine is at it (it publishes these too
-        before it returns). A resume published
+        before it returns). `paced` False: a cut leg's rest (_cut_short). A resume published
         what it had while the leg went on publishing its newest chunks: the router got new chunks
         amid the old, dropped them as sent before its ask, and asked again, and each ask sent a
         whole answer's burst again."""
@@ -273,7 +277,11 @@ class ChunkWriter:
             while self._next < self.seq:
                 size = len(self.sent[self._next - self.first])
                 # the router's pace is read for each chunk: a resume may name another router
-                if size >= PACED_BYTES and (wait := self.service.pace(self.reply).delay(time.monotonic(), size)) > 0:
+                if (
+                    paced
+                    and size >= PACED_BYTES
+                    and (wait := self.service.pace(self.reply).delay(time.monotonic(), size)) > 0
+                ):
                     await asyncio.sleep(wait)  # a resume may move _next meanwhile: read it after
                 data = self.sent[self._next - self.first]
                 self._next += 1
@@ -448,12 +456,17 @@ class ChunkWriter:
                 with steps:
                     await self._final(finish_reason, usage, transfer, error, tokens, body)
             except Exception as exc:
-                log.exception("request %s: its final chunk could not be sent; ending it with an error", self.request_id)
-                why = ErrorInfo(code=500, kind="internal", message=f"shim error: the final chunk failed: {exc!r}")
-                try:
-                    await self._send(self._chunk([], final=True, error=why))
-                except Exception:
-                    log.exception("request %s: its error chunk could not be sent either", self.request_id)
+                if self.closed:  # numbered, counted and kept: an error chunk after it was a second end, counted too
+                    log.exception("request %s: its final chunk could not be published; kept for its router to "
+                                  "ask for again", self.request_id)  # fmt: skip
+                else:
+                    log.exception("request %s: its final chunk could not be sent; ending it with an error",
+                                  self.request_id)  # fmt: skip
+                    why = ErrorInfo(code=500, kind="internal", message=f"shim error: the final chunk failed: {exc!r}")
+                    try:
+                        await self._send(self._chunk([], final=True, error=why))
+                    except Exception:
+                        log.exception("request %s: its error chunk could not be sent either", self.request_id)
             if steps.cut is not None:
                 await self._cut_short(steps, usage)
         finally:
@@ -463,22 +476,28 @@ class ChunkWriter:
     async def _cut_short(self, steps: StopSteps, usage: Usage | None) -> None:
         """The end of a leg whose final chunks a cancellation cut short: the rest of its answer never
         goes, a final chunk says why (RequestService.cut_short), unless the final one was numbered, and
-        what is numbered is published. Until 2026-12-07 a leg cancelled as its whole answer was paced
-        out ended with no final chunk, its heartbeats stopped, counted `ok`; a resume got silence at the end."""
+        what is numbered is published, unpaced: waiting again the pace wait the cancel cut, a second
+        cancel (a stop after its router's cancel) cut that wait too and the final chunk never went,
+        and the piece under way was booked against its router's pace twice. Until 2026-12-07 a leg
+        cancelled as its whole answer was paced out ended with no final chunk, its heartbeats
+        stopped, counted `ok`; a resume got silence at the end."""
         for task in list(self._flushing):  # a held chunk's flush: what it took is dropped with the rest
             with steps:
                 await _reap(task, f"request {self.request_id}: a held chunk's flush")
         with steps:
-            if self.closed:
-                await self._pump()
-                return
-            why = self.service.cut_short(self.request_id)
-            abort = why is None
-            await self._send(
-                self._chunk(
-                    [], final=True, finish_reason="abort" if abort else None, usage=usage if abort else None, error=why
+            if not self.closed:
+                why = self.service.cut_short(self.request_id)
+                abort = why is None
+                self._number(
+                    self._chunk(
+                        [],
+                        final=True,
+                        finish_reason="abort" if abort else None,
+                        usage=usage if abort else None,
+                        error=why,
+                    )
                 )
-            )
+            await self._pump(paced=False)
 
     async def _final(
         self,

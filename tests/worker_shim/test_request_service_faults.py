@@ -963,6 +963,63 @@ async def test_a_leg_cancelled_while_its_whole_answer_is_paced_out_ends_with_one
     assert [c.seq for c in again] == list(range(len(chunks))) and again[-1] == last
 
 
+async def test_a_cut_legs_final_chunk_goes_through_a_stop_cancels_it_again(
+    nc: Nats, replies: Replies, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its router's cancel while a piece of the answer waited for its router's pace, then a stop
+    (abort_all cancels the leg again): the cut leg waited that pace again for the piece under way,
+    booking it a second time, and the stop's cancel cut that wait: its final chunk, numbered and
+    counted, never went (a review of 2026-12-07). Now a cut leg's rest goes at once, unpaced."""
+    monkeypatch.setattr(request_service, "BURST_BYTES", 2 << 20)
+    monkeypatch.setattr(request_service, "BURST_BYTES_S", 256 << 10)  # a piece past the burst: ~4 s
+    booked: list[int] = []
+    book = request_service._Pace.delay
+
+    def delay(pace: Any, now: float, size: int) -> float:
+        booked.append(size)
+        return book(pace, now, size)
+
+    monkeypatch.setattr(request_service._Pace, "delay", delay)
+    svc = service(nc, WholeBody())
+    subject = await serving(svc, ns)
+    await send(replies, subject, "r1", stream=False, endpoint=ENDPOINT_COMPLETIONS, heartbeat_s=0.2)
+    await wait_for(lambda: len(booked) == 3, what="the answer's burst, and its next piece waiting for the pace")
+    await svc.on_cancel(cast(Msg, types.SimpleNamespace(data=encode_msg(CancelRequest(request_id="r1")))))
+    await asyncio.sleep(0.2)  # the cut leg's rest under way
+    await svc.abort_all()  # a stop right after its router's cancel
+    await ended(svc)
+    await replies.settled()
+    chunks = replies.chunks("r1")
+    assert [c.seq for c in chunks] == list(range(len(chunks))) and [c.final for c in chunks].count(True) == 1
+    assert chunks[-1].final and chunks[-1].finish_reason == "abort", chunks[-1]
+    assert dict(svc.outcomes) == {("agg", "abort"): 1}
+    assert len(booked) == len([c for c in chunks if c.body]), "a piece booked against the pace twice"
+
+
+async def test_a_final_chunk_that_fails_to_publish_once_numbered_is_followed_by_no_error_chunk(
+    nc: Nats, replies: Replies, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """final()'s 500 fallback read no `closed`: a final chunk numbered (its outcome counted) whose
+    publish then failed was followed by a second final chunk, the 500, counted too (a review of
+    2026-12-07). Now the failure is said, and the final chunk is kept for its router to ask for."""
+    svc = service(nc)
+    publish = svc.publish
+
+    async def failing(subject: str, data: bytes) -> None:
+        if decode_msg(data, ResponseChunk).final:
+            raise RuntimeError("the publish failed")
+        await publish(subject, data)
+
+    monkeypatch.setattr(svc, "publish", failing)
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
+    await writer.final(finish_reason="stop", usage=Usage(prompt_tokens=1))
+    kept = [decode_msg(data, ResponseChunk) for data in writer.sent]
+    assert [(c.seq, c.final, c.finish_reason, c.error) for c in kept] == [(0, True, "stop", None)], kept
+    assert dict(svc.outcomes) == {("agg", "ok"): 1}
+    said = [r for r in caplog.records if "its final chunk could not be published" in r.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is not None
+
+
 class CallEngine(FakeEngine):
     async def call(self, endpoint: str, body: dict[str, Any]) -> bytes:
         await asyncio.sleep(0.15)  # its heartbeat beats meanwhile
