@@ -49,9 +49,10 @@ while (first reason wins):
   gave clients errors). It ends ENGINE_COOLDOWN_S after its last such failure, when one request
   tries it again: a leg with output ends the episode, a failure doubles the wait up to
   ENGINE_COOLDOWN_MAX_S. Soft, as `engine_unhealthy`: with no other worker of its pool routable it
-  serves. Its start is a WARNING naming the worker, the count, the engine's last error and the
-  wait, its end an INFO (capped for the fleet as `prefill_failing`'s). `prefill_failing` and this
-  are one mechanism (router.failing_workers);
+  serves, but no spill (`engine_out`: one can wait for decode room). Its start is a WARNING naming
+  the worker, the count, the engine's last error and the wait, its end an INFO (capped for the
+  fleet as `prefill_failing`'s). `prefill_failing` and this are one mechanism
+  (router.failing_workers);
 - `engine_unhealthy`: its shim reports the engine failing its load polls (down, or too loaded to
   answer in time). Soft: such a worker is left out only while a healthy one of its pool remains,
   since a whole fleet too busy to answer its probes must still serve rather than refuse everything.
@@ -385,8 +386,14 @@ class Eligibility:
         live = self._liveness(worker)
         if live is not None and (not live.healthy or live.draining):
             return False
+        return not self.engine_out(worker)
+
+    def engine_out(self, worker: str) -> bool:
+        """`worker`'s `engine_failing` episode leaves it out now (cooling down, or its trial under
+        way), whatever its status shows: a soft one a pool with no other still takes, or one hidden
+        by an earlier exclusion."""
         engine = self._engine_failing.get(worker)
-        return engine is None or not engine.out(self._clock())
+        return engine is not None and engine.out(self._clock())
 
     def reported(self, worker: str) -> None:
         """A load report from `worker` arrived: it is alive, whatever was marked before."""

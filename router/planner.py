@@ -518,10 +518,16 @@ class Planner:
         (backlog, and the policy's room rule counting its own prefill of the prompt) serves the
         whole request, rather than it waiting while prefill capacity idles. Of the `failing` ones
         (`prefill_failing`), those whose legs only gave no transfer handle serve it too: a whole
-        request needs none, where a hung or failing engine would fail it."""
+        request needs none, where a hung or failing engine would fail it. Not one whose
+        `engine_failing` episode leaves it out, though soft and its pool's last (a spill can wait for
+        decode room): past the cooldown, one spill is its trial."""
         if not self.settings.conditional.spill_to_prefill:
             return None
-        pool = [*ctx.prefill_pool, *(c for c in failing if self.eligibility.serves_whole(c.worker))]
+        el = self.eligibility
+        pool = [
+            *(c for c in ctx.prefill_pool if not el.engine_out(c.worker)),
+            *(c for c in failing if el.serves_whole(c.worker)),
+        ]
         room = [c for c in pool if self._has_room(c) and self.disagg.has_room(ctx, c, local=True)]
         return self.disagg.spill(ctx, room)
 

@@ -477,3 +477,33 @@ def test_a_prefill_worker_whose_spills_fail_with_its_engines_server_errors_takes
     f.report("d1", running=100)
     f.report("p1")
     assert f.planner.take(f.ctx(list(range(192, 256)), "r3")) is None  # one spill is the trial
+
+
+@pytest.mark.parametrize("prefill_episode", [True, False], ids=["past_its_prefill_cooldown", "no_prefill_episode"])
+def test_a_lone_prefill_worker_whose_spills_fail_with_its_engines_server_errors_takes_none_in_their_cooldown(
+    prefill_episode: bool,
+) -> None:
+    """Past its prefill cooldown (or with no prefill episode) the worker reads as `engine_failing`,
+    soft: the lone prefill worker is back in the prefill pool, as with no other a prefill leg still
+    goes to it. A spill may wait for decode room instead: until 2026-12-07 spills went on to it
+    through its engine's cooldown and its trial, each a failed leg and a retry."""
+    f = _spill_fleet()
+    el = f.planner.eligibility
+    if prefill_episode:
+        el.prefill_leg("p1", "its prefill legs return no transfer handle", True)
+        f.clock.now += PREFILL_COOLDOWN_S + 0.1
+    for _ in range(ENGINE_FAILING_AFTER):  # its spills fail with its engine's 5xx
+        f.clock.now += 0.1
+        el.engine_leg("p1", "engine_error 500: internal server error")
+    f.report("d1", running=100)  # no decode room
+    f.report("p1")
+    assert el.statuses([f.infos[1]])[0].exclusion is Exclusion.ENGINE_FAILING
+    assert f.planner.take(f.ctx(list(range(64)), "r0")) is None  # waits for decode room
+    f.clock.now += ENGINE_COOLDOWN_S + 0.1  # the engine's cooldown over: one spill is its trial
+    f.report("d1", running=100)
+    f.report("p1")
+    plan = f.planner.take(f.ctx(list(range(64, 128)), "r1"))
+    assert plan is not None and (plan.decode.worker, plan.outcome) == ("p1", Outcome.SPILLED_TO_PREFILL)
+    f.report("d1", running=100)
+    f.report("p1")
+    assert f.planner.take(f.ctx(list(range(128, 192)), "r2")) is None  # its trial under way
