@@ -731,6 +731,17 @@ def test_a_model_of_an_engine_this_router_does_not_know_is_a_404_that_says_so() 
     assert [i.worker for i in f.planner.utility_workers(MODEL, ENDPOINT_TOKENIZE)] == ["v1"]
 
 
+@pytest.mark.parametrize("mark", ["mark_unreachable", "mark_malformed"])
+def test_utility_calls_skip_a_worker_at_the_losing_block_size_that_cannot_answer(mark: str) -> None:
+    """A utility call takes no block-size vote: a worker at the size that lost it shows its own
+    exclusion, not `block_size`. Until 2026-12-07 (8bb0874) the call voted, c read as `block_size`,
+    which leaves a worker's engine fit to tokenize, and /tokenize could go to the unreachable c."""
+    f = Fleet(winfo("a"), winfo("b"), winfo("c", block_size=32))
+    getattr(f.planner.eligibility, mark)("c", "its leg failed")
+    assert [i.worker for i in f.planner.utility_workers(MODEL, ENDPOINT_TOKENIZE)] == ["a", "b"]
+    assert f.ctx(list(range(64))).block_size == 16  # the model's size, which c does not share
+
+
 def test_utility_calls_skip_a_worker_in_its_malformed_reply_cooldown() -> None:
     """Routing leaves a worker out for a while after a malformed reply; /tokenize did not, so every
     Nth call went to it first, a failed leg and a warning each (review1 D1)."""
