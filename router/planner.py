@@ -175,7 +175,8 @@ class Planner:
         text: bool = False,
         shape: RequestShape = RequestShape(),
     ) -> RequestContext:
-        infos = self._serving(model)
+        workers = self._workers()  # a copy of every routed worker's record: taken once per request
+        infos = self._serving(model, workers)
         if not infos:
             if left_out := [st.explain() for st in self._unrouted(model)]:
                 raise PlanError(503, f"no worker of model {model} can take the request now: {_reasons(left_out)}")
@@ -183,7 +184,7 @@ class Planner:
         base = infos[0].model
         # Voted over the model's whole fleet: an adapter's or an alias's workers are part of it, and
         # a vote of theirs would settle the model's size for every request (router.fleet_vote).
-        fleet = infos if model == base else [i for i in self._workers() if i.model == base]
+        fleet = infos if model == base else [i for i in workers if i.model == base]
         block_size = self.eligibility.block_sizes(fleet).get(base, infos[0].block_size)
         hasher = self._hashers.get(block_size)
         if hasher is None:
@@ -260,12 +261,12 @@ class Planner:
             raise self._no_decode_worker(ctx, infos)
         return failing
 
-    def _serving(self, name: str) -> list[WorkerInfo]:
+    def _serving(self, name: str, workers: Sequence[WorkerInfo] | None = None) -> list[WorkerInfo]:
         """The workers a request naming `name` runs on (protocol.serving); PlanError 503 while the
         name resolves to workers of several models, or of one model as itself and as a LoRA adapter
         (router.served_names), checked on every plan so a clash that appears while a request waits
         stops it too, and one that clears ends."""
-        infos = serving(self._workers(), name)
+        infos = serving(self._workers() if workers is None else workers, name)
         ways = served_as(name, infos)
         if len(ways) > 1:
             raise PlanError(503, clash_message(name, ways))
