@@ -52,7 +52,9 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
 - One worker cannot grow a replica's memory without bound: its held batches are bounded in count
   and bytes (and all workers' together, with those of unknown workers, in bytes); past a bound
   they are dropped (counted, and a WARNING once until the worker is synced, capped the same way:
-  a fleet whose repairs all fail fills every bound) and a full dump catches up. Its index entries
+  a fleet whose repairs all fail fills every bound) and a full dump catches up; the reply to a
+  request already out holds those up to its seq, and only those after it are asked again (a replay
+  from its seq). Its index entries
   are bounded by
   `min_entry_limit` (the router's --index-limit-per-worker, 4 M entries by default, ~170 MB of
   index), or `CAPACITY_SLACK` times its KV capacity (WorkerInfo / LoadReport `kv_total_blocks`)
@@ -214,7 +216,10 @@ class _Worker:
     want_dump: bool = True
     why: str = "waiting for the shim's first full state"
     asked_at: int = 0  # arrival no. of the last batch received before the current request went out
-    dropped_at: int = 0  # arrival no. of the batch whose coming dropped held ones past a bound, the last
+    # (epoch, highest seq) of the batches dropped past a bound since the current request went out;
+    # dropped_epochs: of more than one epoch
+    dropped: tuple[int, int] | None = None
+    dropped_epochs: bool = False
     sent_ts: float = math.inf  # shim time of what brought the index to its seq (see _check_ahead)
     behind: _Behind | None = None  # the seq a report showed ahead of the index, until the index reaches it
     reported: tuple[int, int] = (0, 0)  # (kv_epoch, kv_seq) of its last report ahead of the index
@@ -747,7 +752,6 @@ class KvIngest:
         state.why = why
 
     def _hold(self, state: _Worker, batch: KvEventBatch, skipped: Skipped) -> None:
-        self._arrivals += 1  # held or dropped: either comes after any request sent before it
         size = _held_size(batch)
         if self._held_total + size > self._held_total_bytes_limit:
             self._expire_unknown(self._clock())  # stale batches of unknown workers must not keep the budget
@@ -757,20 +761,34 @@ class KvIngest:
             # would otherwise keep all it sends): drop what is held and let a full dump catch up.
             dropped = len(state.held)
             self.stats.dropped_overflow += dropped
+            lost = [held for _, held, _ in state.held]
             self._set_held(state, [])
             state.want_dump = True
-            state.dropped_at = self._arrivals
             others_full = self._held_total + size > self._held_total_bytes_limit  # the others' fill the budget
             if others_full:
                 self.stats.dropped_overflow += 1
                 dropped += 1
+                lost.append(batch)
+            self._note_dropped(state, lost)
             self._overflowed(state, dropped, "all workers'" if over_total else "its own")
             if others_full:
                 return
+        self._arrivals += 1
         state.held.append((self._arrivals, batch, skipped))
         state.held_bytes += size
         self._held_total += size
         state.sync.buffered = len(state.held)
+
+    def _note_dropped(self, state: _Worker, lost: list[KvEventBatch]) -> None:
+        """Keep where the batches dropped past a bound reach, for the reply to a request already out
+        (repair_reply: it covers them, or a replay or a dump follows)."""
+        for batch in lost:
+            if state.dropped is None:
+                state.dropped = (batch.epoch, batch.seq)
+            elif batch.epoch != state.dropped[0]:
+                state.dropped, state.dropped_epochs = (batch.epoch, batch.seq), True
+            else:
+                state.dropped = (batch.epoch, max(batch.seq, state.dropped[1]))
 
     def _overflowed(self, state: _Worker, dropped: int, whose: str) -> None:
         """A WARNING for the first overflow of a repair: the rest until it is synced again only count."""
@@ -1018,6 +1036,8 @@ class KvIngest:
     def repair_request(self, worker: str) -> KvStateRequest:
         state = self._workers[worker]
         state.asked_at = self._arrivals
+        # Batches dropped before now were sent before the reply: a dump (want_dump) covers them.
+        state.dropped, state.dropped_epochs = None, False
         if state.want_dump:
             return KvStateRequest(since_seq=0, epoch=None)
         return KvStateRequest(since_seq=state.sync.last_seq, epoch=state.sync.epoch)
@@ -1108,12 +1128,7 @@ class KvIngest:
                 state.want_dump = True
                 state.why = f"its replay {gap}: a full dump is next"
                 return
-        if state.dropped_at > state.asked_at:
-            # Batches that came after the request were dropped (_hold): the reply may not have them
-            # all, and what it lacks is lost. Synced now, the worker would be routed on that hole
-            # until its next batch showed a gap; the full dump the overflow's WARNING promises.
-            state.want_dump = True
-            state.why = "held KV batches dropped past a bound while it repaired: a full dump is next"
+        if not self._covers_dropped(state, first.epoch, first.seq):
             return
         self._drop_contradicted(state, first.epoch, first.seq)
         if self._drain_held(state):
@@ -1124,6 +1139,28 @@ class KvIngest:
             state.overflow_logged = False
             self._unsynced.discard(worker)
             self._refresh_synced()
+
+    def _covers_dropped(self, state: _Worker, shim_epoch: int, shim_seq: int) -> bool:
+        """Whether a reply at the shim's (epoch, seq) holds the batches dropped past a bound since
+        the request went out: those up to its seq are in it (the shim's state at that seq). Those
+        after it are lost: a replay from its seq next, or a dump where another epoch's were dropped.
+        Synced without them, the worker would be routed on that hole until its next batch showed a
+        gap; dumped again for what the reply holds, it never synced under lasting pressure."""
+        if state.dropped is None:
+            return True
+        epoch, seq = state.dropped
+        if state.dropped_epochs or epoch != shim_epoch:
+            state.want_dump = True
+            state.why = "held KV batches of another epoch dropped past a bound while it repaired: a full dump is next"
+            return False
+        state.want_dump = False  # the drop's: the reply's seq says what is missing
+        if seq > shim_seq:
+            state.why = (
+                f"held KV batches up to seq {seq} dropped past a bound while it repaired, its reply at seq "
+                f"{shim_seq}: a replay is next"
+            )
+            return False
+        return True
 
     def _drop_contradicted(self, state: _Worker, epoch: int, seq: int) -> None:
         """Held batches that arrived before the request and contradict the shim's answer."""

@@ -904,13 +904,11 @@ def _stored(seq: int, *hashes: int) -> bytes:
 _BIG = range(100, 160)
 
 
-async def test_batches_dropped_past_the_shared_bound_during_a_replay_leave_the_worker_to_a_full_dump(
-    nc: Client, ns: str
-) -> None:
+async def test_batches_dropped_past_the_shared_bound_during_a_replay_are_replayed(nc: Client, ns: str) -> None:
     """Audit of mod-ingest: the shared bound dropped the batches held while a replay was asked, and
     the one that came; the reply found nothing held and synced the worker at its own seq, routed on
-    an index without them until its next batch showed a gap. The overflow's WARNING said a full
-    dump catches up: one does."""
+    an index without them until its next batch showed a gap. They came after the reply's seq: a
+    replay from it brings them (the review of fd21416: not a full dump)."""
     ing = KvIngest(nc, ns, BlockIndex(), held_total_bytes_limit=2000)  # not started: its repairs driven here
     ing.add_worker("a1", 7)
     ing.repair_request("a1")
@@ -925,26 +923,75 @@ async def test_batches_dropped_past_the_shared_bound_during_a_replay_leave_the_w
     ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=3, batches=[_batch(2, 2), _batch(3, 3)])])
     assert ing.sync_state("a1") == (
         "repairing",
-        "held KV batches dropped past a bound while it repaired: a full dump is next",
+        "held KV batches up to seq 7 dropped past a bound while it repaired, its reply at seq 3: a replay is next",
     )
-    assert ing.repair_request("a1") == KvStateRequest()
-    full = [1, 2, 3, 4, 5, 6, *_BIG]
-    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=7, dump=True, hashes=full)])
+    assert ing.repair_request("a1") == KvStateRequest(since_seq=3, epoch=7)
+    replay = [_batch(4, 4), _batch(5, 5), _batch(6, 6), _batch(7, *_BIG)]
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=7, batches=replay)])
     assert ing.sync_state("a1") is None
-    assert ing.index.dump() == {"a1": sorted(full)} and ing.stats.workers["a1"].last_seq == 7
+    assert ing.index.dump() == {"a1": sorted([1, 2, 3, 4, 5, 6, *_BIG])} and ing.stats.workers["a1"].last_seq == 7
 
 
-async def test_batches_dropped_past_the_shared_bound_during_a_dump_are_dumped_again(nc: Client, ns: str) -> None:
-    # A dump reply reset want_dump: the same hole, from a worker's first dump.
+async def test_batches_dropped_past_the_shared_bound_during_a_dump_are_asked_again(nc: Client, ns: str) -> None:
+    # A dump reply reset want_dump: the same hole, from a worker's first dump. The shim's ring no
+    # longer reaching back, it answers the replay asked with a dump.
     ing = KvIngest(nc, ns, BlockIndex(), held_total_bytes_limit=2000)
     ing.add_worker("a1", 7)
     assert ing.repair_request("a1") == KvStateRequest()
     ing._on_payload("a1", _stored(1, 1))
     ing._on_payload("a1", _stored(2, *_BIG))  # past the bound: both dropped
     ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=0, dump=True, hashes=[])])  # answered before
-    assert ing.sync_state("a1") is not None and ing.repair_request("a1") == KvStateRequest()
+    assert ing.sync_state("a1") is not None and ing.repair_request("a1") == KvStateRequest(since_seq=0, epoch=7)
     ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=2, dump=True, hashes=[1, *_BIG])])
     assert ing.sync_state("a1") is None and ing.index.dump() == {"a1": [1, *_BIG]}
+
+
+async def test_a_dump_whose_seq_covers_batches_dropped_under_lasting_pressure_syncs_the_worker(
+    nc: Client, ns: str
+) -> None:
+    """Review of fd21416: another worker's held batches fill the shared bound for good, so each batch
+    that comes while a dump is out is dropped. Each dump was taken after that batch and holds it,
+    yet every reply asked another full dump: the worker never synced."""
+    ing = KvIngest(nc, ns, BlockIndex(), held_total_bytes_limit=3000)
+    ing.add_worker("a1", 7)
+    ing.add_worker("b1", 7)
+    ing.repair_request("b1")  # b1's shim never answers: what it sends stays held
+    ing._on_payload(
+        "b1", encode_msg(KvEventBatch(worker="b1", epoch=7, seq=1, ts=0.0, events=[Stored(hashes=[*_BIG])]))
+    )
+    assert ing.repair_request("a1") == KvStateRequest()
+    ing._on_payload("a1", _stored(1, 1))  # the others fill the bound: dropped
+    ing._on_payload("a1", _stored(2, 2))
+    assert ing.stats.dropped_overflow == 2
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=2, dump=True, hashes=[1, 2])])
+    assert ing.sync_state("a1") is None and ing.stats.repairs_dumps == 1
+    assert ing.index.dump()["a1"] == [1, 2] and ing.stats.workers["a1"].last_seq == 2
+    for _ in range(3):  # the pressure lasts: each gap's batch, and each one sent while the dump is out, dropped
+        seq = ing.stats.workers["a1"].last_seq
+        ing._on_payload("a1", _stored(seq + 2, seq + 2))  # seq + 1 lost
+        assert ing.repair_request("a1") == KvStateRequest()
+        ing._on_payload("a1", _stored(seq + 3, seq + 3))
+        ing.repair_reply(
+            "a1", [KvStateChunk(worker="a1", epoch=7, seq=seq + 3, dump=True, hashes=[*range(1, seq + 4)])]
+        )
+        assert ing.sync_state("a1") is None and ing.index.dump()["a1"] == [*range(1, seq + 4)]
+    assert ing.stats.repairs_dumps == 4 and ing.stats.dropped_overflow == 8
+
+
+async def test_batches_of_another_epoch_dropped_while_a_reply_was_awaited_are_dumped(nc: Client, ns: str) -> None:
+    # The shim restarted after its reply: what its new epoch holds, only a dump says.
+    ing = KvIngest(nc, ns, BlockIndex(), held_total_bytes_limit=2000)
+    ing.add_worker("a1", 7)
+    assert ing.repair_request("a1") == KvStateRequest()
+    ing._on_payload(
+        "a1", encode_msg(KvEventBatch(worker="a1", epoch=8, seq=1, ts=0.0, events=[Stored(hashes=[*_BIG])]))
+    )
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=5, dump=True, hashes=[1])])
+    assert ing.sync_state("a1") == (
+        "bootstrapping",
+        "held KV batches of another epoch dropped past a bound while it repaired: a full dump is next",
+    )
+    assert ing.repair_request("a1") == KvStateRequest()
 
 
 async def test_an_index_that_trails_every_report_by_a_batch_has_lost_nothing(
