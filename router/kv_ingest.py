@@ -1129,9 +1129,14 @@ class KvIngest:
                 state.why = f"its replay {gap}: a full dump is next"
                 return
         if not self._covers_dropped(state, first.epoch, first.seq):
+            # Not synced: a dump taken for a digest disagreement keeps its mark for the dump or
+            # replay that completes it (check_digest: a disagreement right after it backs off).
+            state.digest_repair, state.digest_dumped = state.digest_dumped or state.digest_repair, False
             return
         self._drop_contradicted(state, first.epoch, first.seq)
         if self._drain_held(state):
+            if state.digest_repair:  # a replay completed the dump taken for a disagreement
+                state.digest_dumped, state.digest_repair = True, False
             if sync.state is not SyncState.SYNCED:
                 sync.repairs += 1
             sync.state = SyncState.SYNCED

@@ -994,6 +994,48 @@ async def test_batches_of_another_epoch_dropped_while_a_reply_was_awaited_are_du
     assert ing.repair_request("a1") == KvStateRequest()
 
 
+async def test_a_disagreement_right_after_a_dump_that_waited_on_dropped_batches_backs_off(nc: Client, ns: str) -> None:
+    """Review of fd21416: the dump taken for a digest disagreement came before batches dropped past
+    the shared bound; its mark was lost with that reply, and a disagreement right after the dump
+    that completed it counted as a new one, dumped at once instead of backing off."""
+    ing = KvIngest(nc, ns, BlockIndex(), held_total_bytes_limit=2000)
+    ing.add_worker("a1", 7)
+    ing.repair_request("a1")
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=1, dump=True, hashes=[1])])
+
+    def report(seq: int) -> LoadReport:  # a shim whose digest is not its dump's
+        return LoadReport(worker="a1", ts=0.0, kv_epoch=7, kv_seq=seq, kv_blocks=5, kv_xor=12345)
+
+    ing.check_digest(report(1))
+    assert ing.stats.digest_mismatches == 1 and ing.repair_request("a1") == KvStateRequest()
+    ing._on_payload("a1", _stored(2, *_BIG))  # past the bound while the dump is out: dropped
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=1, dump=True, hashes=[1])])
+    assert ing.sync_state("a1") is not None
+    ing.repair_request("a1")
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=2, dump=True, hashes=[1, *_BIG])])
+    assert ing.sync_state("a1") is None
+    ing.check_digest(report(2))
+    assert (ing.stats.digest_mismatches, ing.stats.digest_unfixed) == (1, 1) and ing.sync_state("a1") is None
+
+
+async def test_a_disagreement_right_after_a_dump_completed_by_a_replay_backs_off(nc: Client, ns: str) -> None:
+    # The same, the batches dropped replayed: the index is the dump's plus the shim's own batches.
+    ing = KvIngest(nc, ns, BlockIndex(), held_total_bytes_limit=2000)
+    ing.add_worker("a1", 7)
+    ing.repair_request("a1")
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=1, dump=True, hashes=[1])])
+    report = LoadReport(worker="a1", ts=0.0, kv_epoch=7, kv_seq=2, kv_blocks=5, kv_xor=12345)
+    ing.check_digest(msgspec.structs.replace(report, kv_seq=1))
+    ing.repair_request("a1")
+    ing._on_payload("a1", _stored(2, *_BIG))
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=1, dump=True, hashes=[1])])
+    assert ing.repair_request("a1") == KvStateRequest(since_seq=1, epoch=7)
+    ing.repair_reply("a1", [KvStateChunk(worker="a1", epoch=7, seq=2, batches=[_batch(2, *_BIG)])])
+    assert ing.sync_state("a1") is None
+    ing.check_digest(report)
+    assert (ing.stats.digest_mismatches, ing.stats.digest_unfixed) == (1, 1) and ing.sync_state("a1") is None
+
+
 async def test_an_index_that_trails_every_report_by_a_batch_has_lost_nothing(
     nc: Client, ns: str, shim: FakeShim
 ) -> None:
