@@ -331,9 +331,8 @@ def replicas_main(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if args.profile is not None and spec.py_spy is None:
         raise ValueError("--profile needs py-spy: `make bench-deps` (or --py-spy PATH)")
-    if args.keep_logs:  # last: a command refused before creates nothing
-        check_out_dir("--out-dir", args.out_dir)  # here, not as a cluster's --log-dir it does not have
-    if spec.log_dir is not None:
+    if spec.log_dir is not None:  # --keep-logs
+        check_out_dir("--out-dir", args.out_dir)  # last: a command refused before creates nothing
         print(f"logs: {spec.log_dir}", file=sys.stderr, flush=True)
     started = time.monotonic()
     steps = measure_ceiling(spec)
