@@ -28,7 +28,8 @@ the leg ends with a `final` chunk or an `error` one.
   decode leg shows output cancels that leg, waits for its end, and takes the same ways as above. A
   decode leg that ends with nothing (an abort, or an engine's 5xx: SGLang's 500 for one whose prefill
   peer failed, maybe before the prefill leg's error comes) waits for the prefill's verdict, three
-  heartbeats at most.
+  heartbeats at most. Both legs' engines' 5xx (SGLang's failed KV transfer) blame the pair in
+  transfer health too, the prefill's 5xx held for the fallback or retry to judge.
 - bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
 - a decode/agg leg whose worker dies (no responder, silent, a 5xx error chunk; not its etcd key
   gone, which legs in flight outlive: worker_gone) or answers 404 (an adapter unloaded there)
@@ -296,7 +297,12 @@ def _nothing(*_: object) -> None:  # a leg's on_end too
 
 class _PrefillFailed(Exception):
     """A decode leg's prefill, read on beside it (router.prefill_watch), failed before the leg showed
-    output: the leg is cancelled and ended, and the attempt takes the bypass path (_after_prefill)."""
+    output: the leg is cancelled and ended, and the attempt takes the bypass path (_after_prefill).
+    `decode_failed`: the leg ended with its engine's own 5xx (SGLang's for a failed transfer)."""
+
+    def __init__(self, *, decode_failed: bool = False) -> None:
+        super().__init__()
+        self.decode_failed = decode_failed
 
 
 async def _cut_short(leg: Leg, chunk: ResponseChunk, until: float, silence_s: float) -> None:
@@ -954,11 +960,17 @@ class Dispatcher:
             async with contextlib.aclosing(self._decode(job, plan, annotations, watch)) as chunks:
                 async for chunk in chunks:
                     yield chunk
-        except _PrefillFailed:
+        except _PrefillFailed as failed:
             assert watch is not None and watch.failure is not None
             failure, left = watch.failure, watch.left_s
             await watch.close()
             job.drop_held()  # the fallback sends its own
+            if failed.decode_failed and failure.engine_failed:
+                # Both engines' 5xx: SGLang's answer to a failed KV transfer on either side. The pair
+                # is blamed in transfer health (its only pair signal for SGLang), as a failed pull is;
+                # the prefill's 5xx is held for the fallback or retry to judge (_prefill_failed).
+                assert job.transfer is not None
+                self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), False)
             self._prefill_failed(job, plan, failure, left, handed=True)
             async with contextlib.aclosing(self._decode(job, plan, annotations)) as chunks:
                 async for chunk in chunks:
@@ -1070,7 +1082,7 @@ class Dispatcher:
                         # prefill leg's: asked of the watch as an abort's is.
                         unserved = exc.engine_failed and not (leg.tokens_seen or leg.prefilled)
                         if watch.cut or (unserved and await watch.verdict(silence) is not None):
-                            raise _PrefillFailed from None  # its prefill failed: the bypass takes over
+                            raise _PrefillFailed(decode_failed=unserved) from None  # the bypass takes over
                         raise
                     if watch is not None and watch.cut_at is not None:  # its prefill failed: cut
                         await _cut_short(leg, chunk, job.deadline, silence)
@@ -1271,13 +1283,13 @@ class Dispatcher:
             # leg's. A 5xx stays unjudged: only a fallback that serves puts it down to the worker.
             raise exc
         self._blame(exc)
-        if not plan.decode.info.local_prefill:
-            raise self._no_local_prefill(job, plan, exc)
         if fault is not None and exc.engine_failed:
-            # Judged by the fallback (_decode, run). The latest prefill leg's only: a request's second
-            # prefill 5xx (its retry's) puts down neither its first nor the same worker twice.
+            # Judged by the fallback or the retry (_decode, run). The latest prefill leg's only: a
+            # request's second prefill 5xx (its retry's) puts down neither its first nor the same worker twice.
             job.engine_errors[:] = [held for held in job.engine_errors if held[2] != "prefill"]
             job.engine_errors.append((worker, fault[0], "prefill", time.monotonic()))
+        if not plan.decode.info.local_prefill:
+            raise self._no_local_prefill(job, plan, exc)
         if not exc.malformed:  # that one is logged once per worker (_blame), not per request
             log.warning(
                 "request %s: remote prefill failed (%s); falling back to local prefill on %s",

@@ -399,7 +399,7 @@ async def test_an_sglang_decode_leg_ended_with_its_failed_prefill_is_retried_wit
     """Review of f51606a: on an SGLang decode server (no local prefill) the decode engine's 500 for
     its failed prefill peer was its own failed pull, and the retry left out the decode worker w1
     instead of p1. Now the prefill's failure is the attempt's, however w1 ended its leg: the retry
-    goes to another prefill worker with w1 kept."""
+    goes to another prefill worker with w1 kept, and p1's 500 is judged once it serves."""
     d, _, verdicts = router
     pair = _OneBatch(nc, ns, decode_end, prefill_first=prefill_first)
     await pair.start()
@@ -415,5 +415,44 @@ async def test_an_sglang_decode_leg_ended_with_its_failed_prefill_is_retried_wit
     assert [c.token_ids for c in chunks] == [[5], [6]]
     assert (sorted(j.tried), j.path, d.retries, d.transfer_fallbacks) == (["p1", "w1"], Path.REMOTE, 1, 0)
     assert len(p2.requests) == 1 and all(r.disagg is not None for r in pair.decode.requests)  # no bypass leg
-    assert [(w, fault) for w, fault, _ in verdicts] == [("p2", None)]
+    # p1's 500 held, put down once p2's retry served (review of f06144e: raised before it was held)
+    assert [(w, fault is not None) for w, fault, _ in verdicts] == [("p2", False), ("p1", True)]
     assert not d.legs_failed
+
+
+@pytest.mark.parametrize("prefill_first", [True, False], ids=["prefill_error_first", "decode_error_first"])
+async def test_an_sglang_pair_whose_legs_both_fail_with_500_is_blamed_and_its_prefills_500_judged_on_retry(
+    nc: Client, ns: str, prefill_first: bool
+) -> None:
+    """Review of f06144e: SGLang ends both legs of a failed KV transfer with a 500. Taken for the
+    prefill's failure, on a decode server with no local prefill the retry was raised before anything
+    was put down: the pair never blamed in transfer health (its only pair signal for SGLang), and
+    the prefill's 500 never held, so never judged when the retry served. Now both orders blame the
+    pair (w1, p1) and put p1's 500 down once p2's retry serves."""
+    transfers: list[tuple[str, str, bool]] = []
+    verdicts: Verdicts = []
+    d = Dispatcher(
+        nc, ns, Books(),
+        settings=lambda: RouterSettings(stream_heartbeat_s=HB, prefill_timeout_s=PREFILL_TIMEOUT_S),
+        on_transfer=lambda decode, prefill, ok: transfers.append((decode, prefill, ok)),
+        on_prefill=lambda w, fault, whole, ago_s: verdicts.append((w, fault, whole)),
+    )  # fmt: skip
+    await d.start()
+    try:
+        pair = _OneBatch(nc, ns, _DECODE_500, prefill_first=prefill_first)
+        await pair.start()
+
+        async def prefills(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+            handle = TransferHandle(engine="sglang", params=TRIPLE)
+            await chunk(nc, msg, req, 0, final=True, finish_reason="length", transfer=handle)
+
+        await Worker(nc, ns, "p2").serve("prefill", prefills)
+        j = _no_local(job("w1", prefill="p1", replans=[_no_local(job("w1", prefill="p2")).plan]))
+        chunks = await asyncio.wait_for(collect(d, j), PREFILL_TIMEOUT_S)
+    finally:
+        await d.stop()
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert (sorted(j.tried), d.retries) == (["p1", "w1"], 1)
+    assert transfers == [("w1", "p1", False), ("w1", "p2", True)]
+    assert [(w, fault is not None) for w, fault, _ in verdicts] == [("p2", False), ("p1", True)]
+    assert not d.legs_failed  # w1's 500 was the pair's transfer, not its engine's own
