@@ -29,7 +29,7 @@ the leg ends with a `final` chunk or an `error` one.
   decode leg that ends with nothing (an abort, or an engine's 5xx: SGLang's 500 for one whose prefill
   peer failed, maybe before the prefill leg's error comes) waits for the prefill's verdict, three
   heartbeats at most. Both legs' engines' 5xx (SGLang's failed KV transfer) blame the pair in
-  transfer health too, the prefill's 5xx held for the fallback or retry to judge.
+  transfer health, and neither worker alone.
 - bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
 - a decode/agg leg whose worker dies (no responder, silent, a 5xx error chunk; not its etcd key
   gone, which legs in flight outlive: worker_gone) or answers 404 (an adapter unloaded there)
@@ -965,13 +965,16 @@ class Dispatcher:
             failure, left = watch.failure, watch.left_s
             await watch.close()
             job.drop_held()  # the fallback sends its own
-            if failed.decode_failed and failure.engine_failed:
+            # (a decode worker that prefills locally is none of SGLang's, whose decode servers never do)
+            pair = failed.decode_failed and failure.engine_failed and not plan.decode.info.local_prefill
+            if pair:
                 # Both engines' 5xx: SGLang's answer to a failed KV transfer on either side. The pair
-                # is blamed in transfer health (its only pair signal for SGLang), as a failed pull is;
-                # the prefill's 5xx is held for the fallback or retry to judge (_prefill_failed).
+                # is blamed in transfer health (its only pair signal for SGLang), as a failed pull is,
+                # and neither worker alone: held, the prefill's 5xx took that worker out for every
+                # decode worker for a fault of one link (review of 47fbaa6).
                 assert job.transfer is not None
                 self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), False)
-            self._prefill_failed(job, plan, failure, left, handed=True)
+            self._prefill_failed(job, plan, failure, left, handed=True, pair=pair)
             async with contextlib.aclosing(self._decode(job, plan, annotations)) as chunks:
                 async for chunk in chunks:
                     yield chunk
@@ -1253,9 +1256,12 @@ class Dispatcher:
         leg.on_end = _nothing
         await self._publish_cancel(leg.worker, leg.request_id)
 
-    def _prefill_failed(self, job: Job, plan: RoutePlan, exc: LegError, left: float, *, handed: bool = False) -> None:
+    def _prefill_failed(
+        self, job: Job, plan: RoutePlan, exc: LegError, left: float, *, handed: bool = False, pair: bool = False
+    ) -> None:
         """The attempt's prefill leg failed with `exc` (`left`: the request's time as it went;
-        `handed`: after its handle came, router.prefill_watch): the bypass takes over, its outcome
+        `handed`: after its handle came, router.prefill_watch; `pair`: a 5xx its decode leg's 5xx
+        matched, already the pair's in transfer health): the bypass takes over, its outcome
         counted (or, for an engine's refusal, judged by the decode leg); `exc` is raised where none can
         (NATS lost, the request's time up)."""
         assert plan.prefill is not None
@@ -1283,7 +1289,7 @@ class Dispatcher:
             # leg's. A 5xx stays unjudged: only a fallback that serves puts it down to the worker.
             raise exc
         self._blame(exc)
-        if fault is not None and exc.engine_failed:
+        if fault is not None and exc.engine_failed and not pair:
             # Judged by the fallback or the retry (_decode, run). The latest prefill leg's only: a
             # request's second prefill 5xx (its retry's) puts down neither its first nor the same worker twice.
             job.engine_errors[:] = [held for held in job.engine_errors if held[2] != "prefill"]

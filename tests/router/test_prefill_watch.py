@@ -415,20 +415,23 @@ async def test_an_sglang_decode_leg_ended_with_its_failed_prefill_is_retried_wit
     assert [c.token_ids for c in chunks] == [[5], [6]]
     assert (sorted(j.tried), j.path, d.retries, d.transfer_fallbacks) == (["p1", "w1"], Path.REMOTE, 1, 0)
     assert len(p2.requests) == 1 and all(r.disagg is not None for r in pair.decode.requests)  # no bypass leg
-    # p1's 500 held, put down once p2's retry served (review of f06144e: raised before it was held)
-    assert [(w, fault is not None) for w, fault, _ in verdicts] == [("p2", False), ("p1", True)]
+    # p1's 500 held, put down once p2's retry served (review of f06144e: raised before it was held);
+    # with w1's 500 too it is the pair's alone (review of 47fbaa6)
+    held = [("p1", True)] if decode_end.get("finish_reason") == "abort" else []
+    assert [(w, fault is not None) for w, fault, _ in verdicts] == [("p2", False), *held]
     assert not d.legs_failed
 
 
 @pytest.mark.parametrize("prefill_first", [True, False], ids=["prefill_error_first", "decode_error_first"])
-async def test_an_sglang_pair_whose_legs_both_fail_with_500_is_blamed_and_its_prefills_500_judged_on_retry(
+async def test_an_sglang_pair_whose_legs_both_fail_with_500_is_blamed_as_a_pair_and_neither_worker_alone(
     nc: Client, ns: str, prefill_first: bool
 ) -> None:
     """Review of f06144e: SGLang ends both legs of a failed KV transfer with a 500. Taken for the
     prefill's failure, on a decode server with no local prefill the retry was raised before anything
     was put down: the pair never blamed in transfer health (its only pair signal for SGLang), and
     the prefill's 500 never held, so never judged when the retry served. Now both orders blame the
-    pair (w1, p1) and put p1's 500 down once p2's retry serves."""
+    pair (w1, p1), and neither worker alone: held and put down once p2's retry served, p1's 500 took
+    p1 out for every decode worker (prefill_failing) for a fault of one link (review of 47fbaa6)."""
     transfers: list[tuple[str, str, bool]] = []
     verdicts: Verdicts = []
     d = Dispatcher(
@@ -454,5 +457,5 @@ async def test_an_sglang_pair_whose_legs_both_fail_with_500_is_blamed_and_its_pr
     assert [c.token_ids for c in chunks] == [[5], [6]]
     assert (sorted(j.tried), d.retries) == (["p1", "w1"], 1)
     assert transfers == [("w1", "p1", False), ("w1", "p2", True)]
-    assert [(w, fault is not None) for w, fault, _ in verdicts] == [("p2", False), ("p1", True)]
+    assert [(w, fault is not None) for w, fault, _ in verdicts] == [("p2", False)]
     assert not d.legs_failed  # w1's 500 was the pair's transfer, not its engine's own
