@@ -37,7 +37,7 @@ from router.load_view import Liveness
 from router.service import RouterService
 from tests.router.conftest import BLOCK, MODEL, Cluster, Worker, complete
 from tests.router.polling import until
-from tests.router.test_dispatch import HB, Books, answer, chunk, collect, job, transfer
+from tests.router.test_dispatch import HB, Books, answer, chunk, collect, heartbeats_then_answer, job, transfer
 from tests.router.test_dispatch import Worker as FakeWorker
 from tests.router.test_prefill_breaker import fails_poisoned_requests
 from worker_shim.adapters.base import EngineError
@@ -217,15 +217,12 @@ async def test_a_server_error_counts_against_its_worker_once_the_retry_elsewhere
 async def test_a_server_error_is_reported_with_its_own_time(nc: Client, ns: str, reports: Reports) -> None:
     """Judged once the retry gave output, it is no failure of a trial begun meanwhile (router.failing_workers)."""
     await FakeWorker(nc, ns, "w1").serve("decode", fail_with(500, "engine_error"))
-
-    async def slow_first_token(nc: Client, msg: Msg, req: GenerateRequest) -> None:
-        await asyncio.sleep(2 * HB)  # within the leg's silence of three heartbeats
-        await answer(nc, msg, req)
-
-    await FakeWorker(nc, ns, "w2").serve("decode", slow_first_token)
+    # its first token 3 heartbeats on, heartbeats meanwhile: a bare sleep of 2 within the leg's
+    # silence of 3 ran past it on a loaded box (a full run's worker_silent)
+    await FakeWorker(nc, ns, "w2").serve("decode", heartbeats_then_answer(3 * HB))
     await collect(reports.dispatcher, job("w1", replans=[job("w2").plan]))
     assert reports.engine == [("w2", None), ("w1", "500 Internal server error")]
-    assert reports.ago[0] == 0.0 and reports.ago[1] >= 2 * HB
+    assert reports.ago[0] == 0.0 and reports.ago[1] >= 3 * HB
 
 
 async def test_a_server_error_the_retry_meets_too_is_the_requests_and_counts_against_neither_worker(
@@ -345,7 +342,8 @@ async def test_a_failed_kv_pull_is_neither_counted_nor_a_server_error_of_its_dec
 async def test_an_engine_failing_every_request_is_left_out_tried_after_its_cooldown_and_readmitted(
     cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("router.eligibility.ENGINE_COOLDOWN_S", 0.5)  # 10 s in service
+    # 10 s in service; 2 s here, past the 8 requests sent within it on a loaded box (0.5 s was not)
+    monkeypatch.setattr("router.eligibility.ENGINE_COOLDOWN_S", 2.0)
     bad = await cluster.add_worker("agg")
     generate = bad.shim.adapter.generate
     fails_poisoned_requests(bad, every=True)
@@ -370,7 +368,7 @@ async def test_an_engine_failing_every_request_is_left_out_tried_after_its_coold
     assert failed() == ENGINE_FAILING_AFTER and router.dispatcher.retries == retries
     bad.shim.adapter.generate = generate  # type: ignore[method-assign]  # the engine is fixed
     served = bad.requests_served
-    await asyncio.sleep(0.6)  # past the cooldown
+    await asyncio.sleep(2.1)  # past the cooldown
     n = 0
     while bad.requests_served == served:  # past the cooldown, a request tries it again
         n += 1
