@@ -369,7 +369,8 @@ class KvIngest:
         self._overflow_lines = FleetLines(  # a fleet whose kvstate goes unanswered fills every bound
             log,
             logging.WARNING,
-            "dropped held KV batches past a bound on batches held while they repair; a full dump catches up each "
+            "dropped held KV batches past a bound on batches held while they repair; a reply, a replay or a full dump "
+            "catches up each "
             "(one cause for many workers at once: their repairs failing alike, as gap repair's lines say; "
             'kvswitch_router_kv_dropped_total{reason="overflow"} counts each)',
             clock=clock,
@@ -798,7 +799,8 @@ class KvIngest:
         self._overflow_lines.say(
             state.name,
             "worker %s: dropped %d held KV batches, past %s bound on batches held while it repairs (%d batches, "
-            "%d MiB a worker; %d MiB all workers); a full dump catches up (logged once until it is synced; "
+            "%d MiB a worker; %d MiB all workers); the reply to the request out, a replay from its seq or a full "
+            "dump catches up, and again while the bound stays full (logged once until it is synced; "
             'kvswitch_router_kv_dropped_total{reason="overflow"} counts each)',
             state.name,
             dropped,
