@@ -30,7 +30,7 @@ import msgspec
 from bench.flag_numbers import check_non_negative, check_positive, positive_numbers
 from bench.overhead import add_overhead_parser, overhead_main
 from bench.replicas import add_replicas_parser, replicas_main
-from bench.results_file import check_out_dir
+from bench.results_file import check_out_dir, stamp
 from bench.stop_signals import signals_unwind
 from bench.summary import PrefixCounters, Slo, format_summary, results_clock, scrape_prefix_counters, summarize
 from bench.trace import TraceError, selected_records, shipped_trace
@@ -382,7 +382,7 @@ def check_out(flag: str, out: Path) -> Path:
 def _replay_out(args: argparse.Namespace) -> Path:
     """Where a replay writes, checked once the replay's own flags passed (a refused command
     creates nothing)."""
-    return check_out("--out", args.out or OUT_DIR / f"replay-{_stamp()}.jsonl")
+    return check_out("--out", args.out or OUT_DIR / f"replay-{stamp()}.jsonl")
 
 
 def _check_slo(args: argparse.Namespace) -> None:
@@ -458,10 +458,6 @@ def _replay_items(args: argparse.Namespace) -> list[WorkItem]:
     if args.duration is not None:
         items = [i for i in items if i.arrival_s < args.duration]
     return items[: args.limit] if args.limit is not None else items
-
-
-def _stamp() -> str:
-    return time.strftime("%Y%m%d-%H%M%S")
 
 
 def _credit_line(checks: list[CreditCheck]) -> str:
@@ -628,7 +624,7 @@ def _compare(args: argparse.Namespace) -> int:
         slo=Slo(args.slo_ttft, args.slo_itl),
         synth_seed=args.seed,
         progress=not args.no_progress,
-        log_dir=args.out_dir / f"logs-{_stamp()}" if args.keep_logs else None,
+        log_dir=args.out_dir / f"logs-{stamp()}" if args.keep_logs else None,
         clock=args.clock,
         delays=_delays(args),
         router_profile=_router_profile(args),

@@ -80,7 +80,7 @@ from bench.flame import (
 )
 from bench.peers import PEERS, Peer, PeerProcess, missing_binaries
 from bench.replay import RequestResult, replay
-from bench.results_file import ResultsFile, fresh_path
+from bench.results_file import ResultsFile, fresh_path, stamp
 from bench.stop_signals import held
 from bench.trace import TokenSynth
 from bench.workloads import WorkItem
@@ -327,8 +327,8 @@ def _pid(cluster: LocalCluster, prefix: str) -> list[int]:
 
 def run_overhead(spec: OverheadSpec, *, on_phase: Callable[[Phase], None] = lambda p: None) -> list[Phase]:
     """Bring the cluster (and peers) up once, measure every (repeat, load, target), tear down."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    log_dir = spec.out_dir / f"overhead-logs-{stamp}" if spec.keep_logs else None
+    now = stamp()
+    log_dir = spec.out_dir / f"overhead-logs-{now}" if spec.keep_logs else None
     cluster = LocalCluster(
         ClusterSpec(
             agg=2,
@@ -363,7 +363,7 @@ def run_overhead(spec: OverheadSpec, *, on_phase: Callable[[Phase], None] = lamb
             if spec.aiperf is not None
             else None
         )  # fmt: skip
-        aiperf_out = spec.out_dir / f"overhead-aiperf-{stamp}"
+        aiperf_out = spec.out_dir / f"overhead-aiperf-{now}"
         loads: list[tuple[str, float]] = [("aiperf", c) for c in spec.concurrencies] if aiperf is not None else []
         loads += [("client", rate) for rate in spec.rates]
         with sampler.running():

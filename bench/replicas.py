@@ -51,7 +51,7 @@ from bench.overhead import (
     reset_prefix_caches,
     run_client,
 )
-from bench.results_file import check_out_dir
+from bench.results_file import check_out_dir, stamp
 from bench.stop_signals import held
 from kvswitch.cluster import ClusterSpec, LocalCluster
 from protocol.timing import check_speedup
@@ -325,7 +325,7 @@ def replicas_main(args: argparse.Namespace) -> int:
         rates=rates, check_rate=args.check_rate, replicas=ns,
         seconds=args.seconds, speedup=args.speedup, client_isl=args.client_isl, client_osl=args.client_osl,
         core=args.core,
-        log_dir=args.out_dir / f"replicas-logs-{time.strftime('%Y%m%d-%H%M%S')}" if args.keep_logs else None,
+        log_dir=args.out_dir / f"replicas-logs-{stamp()}" if args.keep_logs else None,
         py_spy=find_py_spy(args.py_spy) if args.profile is not None else None,
         profile_dir=args.profile or Path("bench/out/profiles"),
     )  # fmt: skip

@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-__all__ = ["ResultsFile", "check_out_dir", "fresh_path"]
+__all__ = ["ResultsFile", "check_out_dir", "fresh_path", "stamp"]
 
 T = TypeVar("T")
 
@@ -37,14 +37,19 @@ def check_out_dir(flag: str, out_dir: Path) -> None:
         raise ValueError(f"{flag} {out_dir}: not writable")
 
 
+def stamp() -> str:
+    """A run's time in the names of what it writes (results, logs): local time, to the second."""
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
 def fresh_path(directory: Path, prefix: str, suffix: str) -> Path:
     """`directory/prefix-<stamp><suffix>`, a name no other run has: created empty here, so that two
     runs started in the same second (the stamp's resolution) do not write one file, the second
     silently replacing the first's results. A name taken gets `-2`, `-3`, ... after the stamp."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    now = stamp()
     directory.mkdir(parents=True, exist_ok=True)
     for n in itertools.count(1):
-        path = directory / f"{prefix}-{stamp}{'' if n == 1 else f'-{n}'}{suffix}"
+        path = directory / f"{prefix}-{now}{'' if n == 1 else f'-{n}'}{suffix}"
         try:
             path.open("xb").close()
         except FileExistsError:

@@ -397,9 +397,9 @@ class Dispatcher:
         # ago its leg failed: a 5xx is judged once the fallback gave output) per prefill leg that
         # worked or failed through that worker
         self._on_prefill = on_prefill
-        # (worker, its engine's server error or None) per decode or agg leg that failed before its
-        # first output with one, once another leg gave its request output (Job.engine_errors), or
-        # gave that output itself (router.eligibility's `engine_failing`)
+        # (worker, its engine's server error or None, how long ago its leg failed) per decode or agg
+        # leg that failed before its first output with one, once another leg gave its request output
+        # (Job.engine_errors), or gave that output itself (router.eligibility's `engine_failing`)
         self._on_engine = on_engine
         self._ns = ns
         self._bookings = bookings

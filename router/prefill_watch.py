@@ -95,7 +95,8 @@ class PrefillWatch:
 
     async def verdict(self, within_s: float) -> LegError | None:
         """The prefill's failure, once its leg has ended (waited for up to `within_s`); None when it
-        worked, or has not ended by then. For a decode leg that ended with nothing (an abort):
+        worked, or has not ended by then. For a decode leg that ended with nothing (an abort, or
+        its engine's 5xx before output: SGLang's for a failed transfer):
         its end may be its prefill peer's failure, which is heard of on the prefill leg."""
         if not self._task.done():
             await asyncio.wait({self._task}, timeout=within_s)
