@@ -579,7 +579,7 @@ async def test_a_stop_with_nats_frozen_closes_every_worker_id_under_one_short_ba
 
 
 async def test_a_stop_cancelling_a_re_registration_mid_subscribe_closes_its_id_with_the_retired_under_one_barrier(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stop (Registration.stop cancels the hook) while a re-registration's SUBs waited on a frozen
     server: the new id's presence was closed under a 2 s barrier of its own, then the retired id under
@@ -596,6 +596,15 @@ async def test_a_stop_cancelling_a_re_registration_mid_subscribe_closes_its_id_w
     def barriers() -> list[str]:
         return [m for r in caplog.records if r.levelno == logging.WARNING and "did not finish" in (m := r.getMessage())]
 
+    held = asyncio.Event()
+
+    async def held_flush(nc: Any, timeout: int = 10) -> None:
+        if asyncio.current_task() is hook:  # the new id's flush, behind its SUBs: the server's PONG never comes
+            held.set()
+            await asyncio.Event().wait()
+        await flush(nc, timeout)
+
+    monkeypatch.setattr(shim_module, "flush", held_flush)
     with NatsServer() as server:
         nc, requester = await connect(server.url), await connect(server.url)
         requests = SimpleNamespace(inflight={}, on_generate=ignore, on_cancel=ignore, drain=drain)
@@ -611,7 +620,10 @@ async def test_a_stop_cancelling_a_re_registration_mid_subscribe_closes_its_id_w
             os.kill(pid, signal.SIGSTOP)
             try:
                 hook = asyncio.create_task(shim._before_announce("new"))  # Registration: before_create
-                await wait_for(lambda: len(nc._subs) == 10, 5, "the new id subscribed, its flush frozen")
+                # The hook's flush is held here for certain: in CI once it returned with the server
+                # stopped, and the hook went on past it.
+                await wait_for(held.is_set, 5, "the new id subscribed, its flush frozen")
+                assert len(nc._subs) == 10
                 shim.registration = _Stops(hook)  # type: ignore[assignment]
                 await shim._end_session()
                 assert hook.cancelled()
