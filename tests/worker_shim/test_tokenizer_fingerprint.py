@@ -188,6 +188,24 @@ async def test_a_busy_engines_answer_is_transient_and_one_without_tokenize_is_no
     assert refused.value.code == 404 and not transient(refused.value)
 
 
+@pytest.mark.parametrize("status", [408, 429])
+async def test_a_busy_engines_not_now_on_a_chat_probe_is_transient_not_a_refusal(serve: Any, status: int) -> None:
+    # A 408 or 429 on a chat probe counted as "no chat template": the worker registered a
+    # fingerprint that was not its engine's, and no retry was started.
+    async def busy_on_chats(request: web.Request) -> web.Response:
+        body = await request.json()
+        if "messages" in body:
+            return web.json_response({"error": {"message": "slow down", "code": status}}, status=status)
+        ids = _tok.encode(body["prompt"])
+        return web.json_response({"count": len(ids), "max_model_len": 4096, "tokens": ids, "token_strs": None})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", busy_on_chats)
+    with pytest.raises(EngineError) as failed:
+        await (await serve(app)).tokenizer_fingerprint()
+    assert failed.value.code == status and transient(failed.value)
+
+
 def _failing(shim: Any, failures: list[EngineError]) -> list[int]:
     """The shim's adapter's probe failing with `failures` first, one per call; the calls, counted."""
     real = shim.adapter.tokenizer_fingerprint

@@ -37,7 +37,8 @@
   clock, which its KV batches' timestamps are read against.
 - Tokenizer fingerprint: `POST /tokenize` with each of protocol.fingerprint's probes (texts, and
   chats with and without the generation prompt and with `tools`); a 4xx for a chat probe counts
-  as refused (no chat template, or one that raises for it), as the router counts it.
+  as refused (no chat template, or one that raises for it), as the router counts it, but a 408 or
+  429 (a busy engine's "not now") fails the probe, which is tried again (tokenizer_probe).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig
 from worker_shim.engine_kind import check_engine_kind
 from worker_shim.prom_text import Sample, as_count, mean_samples, parse_samples, repeated_series, sum_samples
+from worker_shim.tokenizer_probe import transient
 
 __all__ = [
     "PREFILL_TRANSFER_PARAMS",
@@ -442,8 +444,8 @@ class VllmAdapter(ZmqEventsAdapter):
             try:
                 results.append(await self._tokenize({"model": self.config.model, **probe.body()}))
             except EngineError as exc:
-                if exc.code >= 500 or not isinstance(probe, ChatProbe):
-                    raise
+                if transient(exc) or not isinstance(probe, ChatProbe):
+                    raise  # a busy engine's 408 or 429 is no answer about its chat template: probed again
                 results.append(None)  # no chat template, or one that refuses this chat (the router's too)
         return fingerprint(results)
 
