@@ -5,10 +5,13 @@ has work (legs in flight, or requests it reports running or waiting), the watchd
 work stands (`Progress`: legs that ended well, tokens each leg in flight has sent, the engine's step
 counter and KV use) at each look, and an engine whose work has not moved for `stall_limit_s` on
 fresh load readings is hung: the shim ends its legs and keeps it deregistered until it moves again
-(`stalled`, where it stood). Stale readings (older than STALE_READINGS health intervals and
-STALE_MIN_S), no work to judge, or an engine that holds its load reading while it runs iterations
-start the count again. An engine that answers nothing at all, neither /health nor /metrics
-(any HTTP status is an answer), while legs are in flight is frozen or cut off: its silence for
+(`stalled`, where it stood). No work to judge, or an engine that holds its load reading while it
+runs iterations, start the count again; so do stale readings (older than STALE_READINGS health
+intervals and STALE_MIN_S), unless a leg in flight has streamed output: its tokens tell progress
+themselves, so the count goes on and an engine whose streams stop too is judged hung (until
+2026-12-07 stale readings always started it again, and a hung TensorRT-LLM executor, whose /metrics
+answers [] for ever, was never caught). An engine that answers nothing at all, neither /health nor
+/metrics (any HTTP status is an answer), while legs are in flight is frozen or cut off: its silence for
 `stall_limit_s` (time spent waiting on it since its last answer, or since the last output of a
 leg; a pause in which the shim asks nothing is none, unless the engine could not be reached
 for its last question) is taken for a hang too, stale readings or
