@@ -206,6 +206,20 @@ async def test_a_busy_engines_not_now_on_a_chat_probe_is_transient_not_a_refusal
     assert failed.value.code == status and transient(failed.value)
 
 
+async def test_an_engines_refusal_keeps_its_body_and_retry_after(serve: Any) -> None:
+    refusal = {"error": {"message": "slow down", "code": 429}}
+
+    async def busy(request: web.Request) -> web.Response:
+        return web.json_response(refusal, status=429, headers={"Retry-After": "7"})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", busy)
+    with pytest.raises(EngineError) as failed:
+        await (await serve(app)).tokenizer_fingerprint()
+    assert failed.value.message.endswith("/tokenize answered 429: slow down")
+    assert json.loads(failed.value.body) == refusal and failed.value.retry_after_s == 7
+
+
 def _failing(shim: Any, failures: list[EngineError]) -> list[int]:
     """The shim's adapter's probe failing with `failures` first, one per call; the calls, counted."""
     real = shim.adapter.tokenizer_fingerprint

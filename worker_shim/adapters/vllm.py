@@ -431,7 +431,15 @@ class VllmAdapter(ZmqEventsAdapter):
         try:
             raw = await post_utility(self.session, url, body, timeout=_TOKENIZE_TIMEOUT)
         except EngineError as exc:
-            raise EngineError(exc.code, exc.kind, f"{url} answered {exc.code}: {exc.message[:300]}") from exc
+            if exc.kind == "engine_unavailable":
+                raise  # no answer (refused, timed out): its message says so, with the address
+            raise EngineError(
+                exc.code,
+                exc.kind,
+                f"{url} answered {exc.code}: {exc.message[:300]}",
+                exc.body,
+                retry_after_s=exc.retry_after_s,
+            ) from exc
         try:
             tokens = msgspec.json.decode(raw, type=dict[str, Any])["tokens"]
             return msgspec.convert(tokens, list[int])
