@@ -45,7 +45,9 @@ clients read is a 503 with Retry-After, one larger than it a 400 saying what the
 Draining (`Drain`, on SIGTERM): the listener stays open while the requests in flight finish; a new
 request (anything but /health, /ping, /ready and /metrics) is a 503 with Retry-After and Connection:
 close. Those still running when the drain ends are cut: a stream gets a final 503 error event and
-`[DONE]`, any other request a 503, and their legs are cancelled on the workers.
+`[DONE]`, any other request a 503, and their legs are cancelled on the workers. One cut while its
+last bytes wait for its client (its head went out, so no 503 can follow) has its connection
+aborted, counted 503.
 """
 
 from __future__ import annotations
@@ -56,14 +58,14 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from protocol import GenerateRequest, SamplingParams
+from protocol import GenerateRequest, ResponseChunk, SamplingParams
 from protocol.client_errors import brief
 from protocol.messages import (
     ANNOTATION_BYPASS,
@@ -816,6 +818,26 @@ class _Handlers:
         except BaseException:
             await chunks.aclose()
             raise
+        try:
+            status, why = await self._streamed(request, job, resp, chunks, first)
+        except asyncio.CancelledError:
+            if not self.drain.ended():
+                raise
+            # Cut in its last write or its chunks' close, where no error event can follow: its head
+            # went out, so no 503 can either (before, aiohttp wrote one as a second head).
+            _abort(request)
+            return resp, 503, SHUT_DOWN
+        return resp, status, why
+
+    async def _streamed(
+        self,
+        request: web.Request,
+        job: Job,
+        resp: web.StreamResponse,
+        chunks: AsyncGenerator[ResponseChunk, None],
+        first: ResponseChunk,
+    ) -> tuple[int, str]:
+        """The stream's events after its head, the code it counts as and why it failed (_stream)."""
         out: list[bytes] = []
         chunk = first
         failed: ApiError | None = None
@@ -853,7 +875,7 @@ class _Handlers:
         finally:
             await chunks.aclose()
         if unread:
-            return resp, 504, _abort_unread(request, job, "stream")
+            return 504, _abort_unread(request, job, "stream")
         if failed is not None:
             if why:
                 rid = job.request.request_id
@@ -872,8 +894,8 @@ class _Handlers:
             out.append(_sse_event(failed.own_body or _JSON.encode(failed.body())))
         out.append(_SSE_DONE)
         if not await _sent(request, b"".join(out), resp.write_eof, job.deadline):
-            return resp, 504, _abort_unread(request, job, "stream")
-        return (resp, 200, "") if failed is None else (resp, failed.code, failed.message)
+            return 504, _abort_unread(request, job, "stream")
+        return (200, "") if failed is None else (failed.code, failed.message)
 
 
 _SPAN_NAMES = {False: "POST /v1/completions", True: "POST /v1/chat/completions"}

@@ -1,0 +1,149 @@
+"""Requests the drain's end cuts where they wait on something other than their worker (router.http_api's
+Drain): a stream's last write to a client that reads no more. One front door (make_app, served by
+FrontDoorRunner as the router serves it) with a stand-in request path, so each cut lands where the
+test holds its request; test_drain.py has the cluster's cuts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
+from typing import Any, cast
+
+from aiohttp import web
+
+from protocol import GenerateRequest, ResponseChunk
+from protocol.messages import ENDPOINT_COMPLETIONS
+from router.api_errors import FrontDoorRunner
+from router.http_api import SHUT_DOWN, Drain, make_app
+from router.metrics import RouterMetrics, StateFigures
+from router.policies import Outcome
+from router.policies import Path as RoutePath
+from router.tokenization import BuiltinPromptTokenizer, Tokenization
+from router.tracing import RequestTracer
+from tests.router.polling import until
+
+MODEL = "m"
+
+
+class _Path:
+    """A request path (router.request_path's RequestPath) whose worker answers `chunks`."""
+
+    def __init__(self, chunks: list[ResponseChunk]) -> None:
+        self.metrics = RouterMetrics(StateFigures)
+        self.tracer = RequestTracer()
+        self.dispatcher = SimpleNamespace(leg_failures=lambda log, utility=False: None)
+        self.default_model = None
+        self._chunks = chunks
+        self.streamed = False  # the handler closed its chunks: the answer's last write is next
+
+    def vllm_only(self, name: str | None) -> bool:
+        return False
+
+    def resolve_model(self, name: str | None) -> str:
+        return MODEL
+
+    def max_model_len(self, model: str) -> int | None:
+        return None
+
+    async def open(self, leg: GenerateRequest, span: Any, **kwargs: Any) -> Any:
+        return SimpleNamespace(
+            request=leg,
+            deadline=time.monotonic() + 60,
+            plan=SimpleNamespace(decode=SimpleNamespace(worker="w1")),
+            path=RoutePath.AGG,
+            outcome=Outcome.AGGREGATED,
+            attempts=1,
+            prefill_worker=None,
+        )
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        yield
+
+    def release(self, job: Any) -> None:
+        pass
+
+    async def stream(self, job: Any, arrived: float) -> AsyncIterator[ResponseChunk]:
+        try:
+            for chunk in self._chunks:
+                yield chunk
+        finally:
+            self.streamed = True
+
+    def counted(self, code: int) -> float:
+        labels = {"endpoint": ENDPOINT_COMPLETIONS, "code": str(code)}
+        return self.metrics.registry.get_sample_value("kvswitch_router_requests_total", labels) or 0.0
+
+
+@contextlib.asynccontextmanager
+async def _front_door(path: _Path, drain: Drain) -> AsyncIterator[int]:
+    """The front door's port."""
+    app = make_app(
+        cast(Any, path),
+        Tokenization(BuiltinPromptTokenizer()),
+        health=dict,
+        readiness=lambda: (True, {}),
+        index_state=dict,
+        worker_listing=dict,
+        drain=drain,
+    )
+    runner = FrontDoorRunner(app, metrics=path.metrics)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+async def _post(port: int, route: str, body: dict[str, Any]) -> socket.socket:
+    """A client that sent its request and reads nothing yet, its receive buffer small."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    raw = json.dumps(body).encode()
+    head = f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+    await loop.sock_sendall(sock, head.encode() + raw)
+    return sock
+
+
+async def _read_to_end(sock: socket.socket) -> bytes:
+    """All the client gets until its connection ends (closed or aborted)."""
+    loop = asyncio.get_running_loop()
+    got = b""
+    async with asyncio.timeout(10):
+        with contextlib.suppress(ConnectionResetError):
+            while part := await loop.sock_recv(sock, 1 << 16):
+                got += part
+    return got
+
+
+async def test_a_stream_cut_in_its_last_write_is_aborted_with_no_second_head() -> None:
+    """Its [DONE] waits in its last write for a client that reads no more when the drain ends. The
+    cut there reached _generate, which answered a fresh 503: aiohttp wrote a second HTTP head on the
+    connection after the stream's 200. Its connection is aborted now, counted 503."""
+    big = b'"' + b"y" * (1 << 20) + b'"'  # over what the transport and the kernel hold for its client
+    chunks = [
+        ResponseChunk(request_id="r1", seq=0, events=[b'{"n":0}']),
+        ResponseChunk(request_id="r1", seq=1, events=[big], final=True),
+    ]
+    path, drain = _Path(chunks), Drain()
+    async with _front_door(path, drain) as port:
+        sock = await _post(port, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "stream": True})
+        try:
+            await until(lambda: path.streamed, 10, "the stream's last write")
+            assert await asyncio.wait_for(drain.finish(0.1), 10) == (0, 1)  # cut, not finished
+            got = await _read_to_end(sock)
+        finally:
+            sock.close()
+    assert got.startswith(b"HTTP/1.1 200 ") and got.count(b"HTTP/1.1 ") == 1, got[-300:]
+    assert SHUT_DOWN.encode() not in got and b"[DONE]" not in got
+    assert (path.counted(503), path.counted(200)) == (1, 0)
