@@ -786,6 +786,8 @@ class _Handlers:
         except asyncio.CancelledError:
             if not self.drain.ended():
                 raise
+            if not resp.prepared:  # cut while admit made room for it: the drain's 503 can still go out
+                raise ApiError(503, SHUT_DOWN, close=True) from None
             # Its head went out: no 503 can follow it, and a body cut short says less than none.
             _abort(request)
             return 503, SHUT_DOWN

@@ -1,7 +1,8 @@
 """Requests the drain's end cuts where they wait on something other than their worker (router.http_api's
-Drain): a stream's last write to a client that reads no more. One front door (make_app, served by
-FrontDoorRunner as the router serves it) with a stand-in request path, so each cut lands where the
-test holds its request; test_drain.py has the cluster's cuts."""
+Drain): a stream's last write to a client that reads no more, a whole answer's wait for room among
+the clients' buffers. One front door (make_app, served by FrontDoorRunner as the router serves it)
+with a stand-in request path, so each cut lands where the test holds its request; test_drain.py
+has the cluster's cuts."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from aiohttp import web
 from protocol import GenerateRequest, ResponseChunk
 from protocol.messages import ENDPOINT_COMPLETIONS
 from router.api_errors import FrontDoorRunner
+from router.client_buffers import ClientBuffers
 from router.http_api import SHUT_DOWN, Drain, make_app
+from router.leg import Leg
 from router.metrics import RouterMetrics, StateFigures
 from router.policies import Outcome
 from router.policies import Path as RoutePath
@@ -33,10 +36,10 @@ MODEL = "m"
 class _Path:
     """A request path (router.request_path's RequestPath) whose worker answers `chunks`."""
 
-    def __init__(self, chunks: list[ResponseChunk]) -> None:
+    def __init__(self, chunks: list[ResponseChunk], buffers: ClientBuffers | None = None) -> None:
         self.metrics = RouterMetrics(StateFigures)
         self.tracer = RequestTracer()
-        self.dispatcher = SimpleNamespace(leg_failures=lambda log, utility=False: None)
+        self.dispatcher = SimpleNamespace(leg_failures=lambda log, utility=False: None, buffers=buffers)
         self.default_model = None
         self._chunks = chunks
         self.streamed = False  # the handler closed its chunks: the answer's last write is next
@@ -146,4 +149,34 @@ async def test_a_stream_cut_in_its_last_write_is_aborted_with_no_second_head() -
             sock.close()
     assert got.startswith(b"HTTP/1.1 200 ") and got.count(b"HTTP/1.1 ") == 1, got[-300:]
     assert SHUT_DOWN.encode() not in got and b"[DONE]" not in got
+    assert (path.counted(503), path.counted(200)) == (1, 0)
+
+
+async def test_a_whole_answer_cut_while_it_waits_for_room_gets_the_drains_503() -> None:
+    """Its room among the clients' buffers is made by cutting a stalled stream, and the drain ends
+    while that cut runs (ClientBuffers.admit): its head has not gone out. It was taken for one that
+    had, its connection aborted with no answer; it gets the drain's 503 now."""
+    budget = 1 << 20
+    cutting = asyncio.Event()
+
+    async def cut(leg: Leg) -> None:  # a stalled stream's cut that has not ended when the drain does
+        cutting.set()
+        await asyncio.Event().wait()
+
+    stalled = SimpleNamespace(queued=budget, taken_at=time.monotonic() - 60)
+    buffers = ClientBuffers(budget, lambda: [cast(Leg, stalled)], cut)
+    buffers.held = budget  # the stalled stream's queue, as its Leg counts it
+    answer = ResponseChunk(request_id="r1", seq=0, body=b'{"id":"c1"}', final=True)
+    path, drain = _Path([answer], buffers), Drain()
+    async with _front_door(path, drain) as port:
+        sock = await _post(port, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3]})
+        try:
+            await asyncio.wait_for(cutting.wait(), 10)
+            assert await asyncio.wait_for(drain.finish(0.1), 10) == (0, 1)
+            got = await _read_to_end(sock)
+        finally:
+            sock.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"Connection: close" in head, got
+    assert json.loads(body)["error"]["message"] == SHUT_DOWN
     assert (path.counted(503), path.counted(200)) == (1, 0)
