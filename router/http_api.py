@@ -516,6 +516,10 @@ class _Handlers:
             return json_response(explained)
         except ApiError as exc:
             return exc.response()
+        except asyncio.CancelledError:  # its body read or its prompt's tokenizing cut
+            if not self.drain.ended():
+                raise
+            return ApiError(503, SHUT_DOWN, close=True).response()
 
     def _with_unplanned(self, exc: ApiError, model: str | None) -> web.Response:
         """A model with no worker, or none to route to, may be one whose records etcd holds but

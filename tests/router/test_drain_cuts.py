@@ -1,8 +1,8 @@
 """Requests the drain's end cuts where they wait on something other than their worker (router.http_api's
 Drain): a stream's last write to a client that reads no more, a whole answer's wait for room among
-the clients' buffers. One front door (make_app, served by FrontDoorRunner as the router serves it)
-with a stand-in request path, so each cut lands where the test holds its request; test_drain.py
-has the cluster's cuts."""
+the clients' buffers, /debug/route's wait for its body. One front door (make_app, served by
+FrontDoorRunner as the router serves it) with a stand-in request path, so each cut lands where the
+test holds its request; test_drain.py has the cluster's cuts."""
 
 from __future__ import annotations
 
@@ -180,3 +180,31 @@ async def test_a_whole_answer_cut_while_it_waits_for_room_gets_the_drains_503() 
     assert head.startswith(b"HTTP/1.1 503 ") and b"Connection: close" in head, got
     assert json.loads(body)["error"]["message"] == SHUT_DOWN
     assert (path.counted(503), path.counted(200)) == (1, 0)
+
+
+async def test_debug_route_cut_while_it_reads_its_body_gets_the_drains_503() -> None:
+    """Its handler caught only ApiError: cut by the drain, its connection closed with no answer. It
+    gets the drain's 503 now, as every request the drain cuts but a stream does."""
+    path, drain = _Path([]), Drain()
+    async with _front_door(path, drain) as port:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            head = b"POST /debug/route HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+            await loop.sock_sendall(sock, head + b"Expect: 100-continue\r\n\r\n")
+            # Its 100 goes out as its handler reads the body, which this client never sends.
+            continued = b"HTTP/1.1 100 Continue\r\n\r\n"
+            async with asyncio.timeout(10):
+                got = b""
+                while len(got) < len(continued):
+                    got += await loop.sock_recv(sock, len(continued) - len(got))
+            assert got == continued
+            assert await asyncio.wait_for(drain.finish(0.1), 10) == (0, 1)
+            got = await _read_to_end(sock)
+        finally:
+            sock.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"Connection: close" in head, got
+    assert json.loads(body)["error"]["message"] == SHUT_DOWN
