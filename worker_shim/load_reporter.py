@@ -238,7 +238,9 @@ class LoadReporter:
 
     async def _publish_if_due(self) -> None:
         if not self.nc.is_connected:  # it would go out stale from the reconnect buffer (module docstring)
-            self._last_key = None  # so the first after it goes at once
+            # None sent, but the loop waits as if one had (it spun without a wait for the whole
+            # outage before); no key, so the first report once connected goes at the next poll.
+            self._last_key, self._last_sent = None, time.monotonic()
             return
         rep = self.report()
         key = (
