@@ -116,6 +116,7 @@ class LoadReporter:
         self._episodes = Throttle(EPISODE_SAID_S)  # a failing episode's start, said by kind
         self._episode: tuple[float, int] | None = None  # a said episode's start and failed polls
         self._unencodable_said = False
+        self._on_reading_said = False
         self._last_key: tuple[object, ...] | None = None
         self._last_sent = 0.0
         self._poke = asyncio.Event()
@@ -196,6 +197,7 @@ class LoadReporter:
     async def _poll_loop(self) -> None:
         while True:
             asked_mono = time.monotonic()
+            good: EngineLoad | None = None  # the reading, once it proved usable
             try:
                 asked = time.time()
                 reading = await self.adapter.load()
@@ -209,14 +211,30 @@ class LoadReporter:
                     log.info("load polls work again after %.1fs (%d failed)", time.monotonic() - since, failed)
                     self._episode = None
                 self.healthy, self.error = True, ""
-                self.on_reading(asked_mono, time.monotonic(), self._engine)
+                good = reading
             except Exception as exc:
                 # Whatever the reading (a NaN in /metrics, a field of the wrong type), the reports
                 # go on: the worker says it is unhealthy until a reading works again.
                 self._failed(exc)
-                self.on_reading(asked_mono, time.monotonic(), None)
+            self._hand_on(asked_mono, good)
             self._poke.set()
             await asyncio.sleep(self.poll_s)
+
+    def _hand_on(self, asked: float, reading: EngineLoad | None) -> None:
+        """`on_reading`, outside the poll's try: a bug of the shim's there is no failed poll (until
+        2026-12-08 it read as the engine unhealthy, `internal`, and the hook was called again with
+        None). Said once, with its traceback; the reading stands and the reports go on."""
+        try:
+            self.on_reading(asked, time.monotonic(), reading)
+        except Exception as exc:
+            if not self._on_reading_said:
+                self._on_reading_said = True
+                log.error(
+                    "the shim's on_reading hook failed on a load reading (a bug of the shim's, not the "
+                    "engine's; said once): %r",
+                    exc,
+                    exc_info=exc,
+                )
 
     def _failed(self, exc: Exception) -> None:
         """Counts a failed poll, and says it where it starts an episode the throttle lets through."""

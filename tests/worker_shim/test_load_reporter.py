@@ -427,6 +427,47 @@ async def test_a_nats_outage_is_waited_out_a_poll_at_a_time_and_the_first_report
         await reporter.stop()
 
 
+async def test_a_bug_in_the_shims_reading_hook_is_said_once_as_the_shims_and_the_engine_stays_healthy(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Until 2026-12-08 the hook ran inside the poll's try: its exception read as the engine's (an
+    unhealthy worker, `internal` counted, "a reading the shim cannot use") and the hook was called
+    again with None for a reading that was good."""
+    nc, engine = _DownNats(), _Polled()
+    nc.up = True
+    handed: list[EngineLoad | None] = []
+    polls_failed: Counter[str] = Counter()
+
+    def on_reading(_asked: float, _done: float, load: EngineLoad | None) -> None:
+        handed.append(load)
+        if load is not None:
+            raise KeyError("the shim's own bug")
+
+    reporter = LoadReporter(
+        nc,  # type: ignore[arg-type]
+        "t",
+        "w1",
+        engine,  # type: ignore[arg-type]
+        lambda: 0,
+        100,
+        period_s=0.05,
+        poll_s=0.01,
+        on_reading=on_reading,
+        polls_failed=polls_failed,
+    )
+    reporter.start()
+    try:
+        await wait_for(lambda: engine.polls >= 5 and len(nc.sent) >= 3, what="polls and reports")
+    finally:
+        await reporter.stop()
+    assert reporter.healthy and reporter.error == "" and polls_failed == Counter()
+    assert handed and all(load is not None and load.running == 1 for load in handed)  # once a poll, never None
+    assert all(decode_msg(p, LoadReport).healthy for p in nc.sent)
+    said = [r for r in caplog.records if r.name == "worker_shim.load_reporter" and r.levelno >= logging.WARNING]
+    assert len(said) == 1 and said[0].levelno == logging.ERROR, [r.getMessage() for r in said]
+    assert "on_reading hook" in said[0].getMessage() and said[0].exc_info is not None
+
+
 async def test_a_shim_at_its_shortest_period_poked_on_every_change_stays_within_a_routers_budget() -> None:
     """Routers take a sender's reports past router.sender_budget's rate for a flood (quarantined, read
     silent): a shim at the shortest --load-period-s it takes, every report a change and poked
