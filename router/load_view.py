@@ -24,7 +24,11 @@ Order. A worker's reports replace each other by stamp, not arrival: one stamped 
 by at most MAX_REORDER_S came late and only proves the worker alive. One older by more is the
 worker's clock stepping back (NTP step, VM resume): it is taken, and `update` says how far back,
 since dropping it would freeze the worker's figures and read it as silent for as long as the step
-while it reports every second.
+while it reports every second. That worker's stamps are moved forward by the step from then on (an
+offset per worker, so they keep to this router's timeline as before it): a booking made after the
+step is covered by the next report that counts it, where it counted twice, in the reports and as a
+booking, for as long as the step until 2026-12-08. A stamp the offset puts ahead of this router's
+clock (the worker's clock stepped forward again) takes as much off the offset, down to none.
 
 Bookings are kept per router (None is this router), then per request_id, so what one router holds
 (`held`, `keys`, `confirm_all`: a peer's snapshots) costs its own bookings, not the fleet's. One
@@ -37,9 +41,9 @@ its time a prefill worker will spend prefilling while a request spilled to it de
 (router.policies.slo_aware).
 
 Cost. Each worker keeps the sums of what no report covers yet, updated as bookings come, finish
-and get covered (by the newest stamp a worker has sent, even once its clock stepped back, so
-coverage never reverts), so `load()` costs the same with 5 or 5,000 requests in flight: a router
-that falls behind does not slow down with it.
+and get covered (by the worker's newest stamp, moved by a step back as under Order, so coverage
+neither reverts nor stalls for the step), so `load()` costs the same with 5 or 5,000 requests in
+flight: a router that falls behind does not slow down with it.
 """
 
 from __future__ import annotations
@@ -229,7 +233,7 @@ class Expired:
 class _Report:
     report: LoadReport
     received_at: float  # of the worker's latest report, taken or not
-    covers: float  # the newest stamp taken from the worker: what it covered stays covered
+    offset: float  # added to the worker's stamps: the steps back its clock made (module docstring, Order)
 
 
 _NO_REPORT = float("-inf")
@@ -252,17 +256,23 @@ class LoadView:
         MAX_REORDER_S (reordered) is dropped, but the worker is alive; one older by more is taken,
         and the seconds its clock stepped back are returned (None otherwise)."""
         now = self._clock()
-        if not report.ts <= now + MAX_CLOCK_SKEW_S:  # also NaN
-            report = msgspec.structs.replace(report, ts=now + MAX_CLOCK_SKEW_S)
         held = self._reports.get(report.worker)
-        if held is None:
-            self._reports[report.worker] = _Report(report, now, report.ts)
+        offset = held.offset if held is not None else 0.0
+        ts = report.ts + offset
+        if not ts <= now + MAX_CLOCK_SKEW_S:  # also NaN
+            fits = report.ts <= now + MAX_CLOCK_SKEW_S  # as stamped: the offset is what puts it ahead
+            offset = max(0.0, now - report.ts) if fits else 0.0
+            ts = report.ts + offset if fits else now + MAX_CLOCK_SKEW_S
+        back = held.report.ts - ts if held is not None else 0.0
+        if held is not None and 0 < back <= MAX_REORDER_S:
+            self._reports[report.worker] = _Report(held.report, now, held.offset)
             return None
-        back = held.report.ts - report.ts
-        if 0 < back <= MAX_REORDER_S:
-            self._reports[report.worker] = _Report(held.report, now, held.covers)
-            return None
-        self._reports[report.worker] = _Report(report, now, max(report.ts, held.covers))
+        if held is not None and back > 0:  # its clock stepped back: later stamps move forward by as much
+            offset += back
+            ts = held.report.ts
+        if ts != report.ts:
+            report = msgspec.structs.replace(report, ts=ts)
+        self._reports[report.worker] = _Report(report, now, offset)
         return back if back > 0 else None
 
     def liveness(self, worker: str) -> Liveness | None:
@@ -445,7 +455,7 @@ class LoadView:
         if on_worker is None:
             return False
         held = self._reports.get(booking.worker)
-        on_worker.cover(held.covers if held is not None else _NO_REPORT)  # as load() would first
+        on_worker.cover(held.report.ts if held is not None else _NO_REPORT)  # as load() would first
         return (
             (booking.blocks_counted and booking.decode_blocks > 0)
             or (booking.prefill_counted and booking.prefill_tokens > 0)
@@ -496,7 +506,7 @@ class LoadView:
         prefill = blocks = released = requests = 0
         on_worker = self._by_worker.get(worker)
         if on_worker is not None:
-            on_worker.cover(held.covers if held is not None else _NO_REPORT)
+            on_worker.cover(held.report.ts if held is not None else _NO_REPORT)
             released = on_worker.released(held.report.ts) if held is not None else 0
             prefill, blocks, requests = on_worker.prefill, on_worker.blocks, on_worker.requests
             if not on_worker.bookings and not on_worker.holds_releases:

@@ -94,9 +94,59 @@ def test_what_a_report_covered_stays_covered_after_the_clock_steps_back(view: Lo
     view.update(report(ts=clock.now - 30.0, prefill_tokens_queued=0, kv_used_blocks=131))
     assert (view.load("w1").prefill_tokens_queued, view.load("w1").active_blocks) == (0, 131)
     clock.now += 1.0
-    view.book("r2", "w1", 500, 20)  # booked after: counts until the worker's stamps pass it
+    view.book("r2", "w1", 500, 20)  # booked after the step: the worker's stamps, moved by it, cover it
     view.update(report(ts=clock.now - 30.0, prefill_tokens_queued=500, kv_used_blocks=131))
-    assert (view.load("w1").prefill_tokens_queued, view.load("w1").active_blocks) == (1000, 151)
+    assert (view.load("w1").prefill_tokens_queued, view.load("w1").active_blocks) == (500, 151)
+
+
+def test_a_request_booked_after_the_clock_steps_back_is_counted_once_by_the_report_that_counts_it(
+    view: LoadView, clock: Clock
+) -> None:
+    """Until 2026-12-08 the coverage stayed at the stamp before the step, so for as long as the step a
+    request booked after it counted twice: in the reports (running, KV blocks) and as a booking
+    (load audit: 10 min step, 2 requests read for 1, twice its blocks)."""
+    view.update(report(ts=clock.now, kv_total_blocks=1000))
+    assert view.update(report(ts=clock.now - 600.0, kv_total_blocks=1000)) == pytest.approx(600.0)
+    clock.now += 1.0
+    view.book("r", "w1", 100, 50)
+    clock.now += 0.2
+    view.prefill_done("r")
+    clock.now += 0.5
+    view.update(report(ts=clock.now - 600.0, running=1, kv_used_blocks=50, kv_total_blocks=1000))
+    load = view.load("w1")
+    assert (load.running, load.booked_requests, load.active_blocks, load.prefill_tokens_queued) == (1, 0, 50, 0)
+
+
+def test_a_clock_that_steps_back_then_forward_again_sheds_its_offset(view: LoadView, clock: Clock) -> None:
+    """Kept, the offset would put every stamp ahead of ours once NTP set the worker right again, and a
+    report made before a booking would cover it."""
+    view.update(report(ts=clock.now))
+    view.update(report(ts=clock.now - 600.0))
+    clock.now += 1.0
+    view.update(report(ts=clock.now))  # set right again
+    clock.now += 0.5
+    view.book("r", "w1", 100, 5)
+    clock.now += 0.5
+    view.update(report(ts=clock.now - 0.8))  # made before the booking
+    assert (view.load("w1").booked_requests, view.load("w1").prefill_tokens_queued) == (1, 100)
+
+
+def test_what_a_stepped_back_worker_held_is_let_go_by_its_next_reports(view: LoadView, clock: Clock) -> None:
+    """A report made while a request waited holds its prompt tokens (`released`) until one as new as
+    its first token comes: after a step back the stamps never were, so every finished request's
+    entry was kept for the step's length and `load()` summed them all (10 min at 200 requests/s:
+    120,000 entries). They go with the next report now."""
+    view.update(report(ts=clock.now))
+    view.update(report(ts=clock.now - 600.0))
+    for i in range(100):
+        clock.now += 0.005
+        view.book(f"r{i}", "w1", 100, 2)
+        view.prefill_done(f"r{i}")
+        view.free(f"r{i}")
+    clock.now += 0.01
+    view.update(report(ts=clock.now - 600.0, prefill_tokens_queued=0))
+    view.load("w1")
+    assert view._by_worker.get("w1") is None  # nothing held: no release left to sum
 
 
 def test_booking_counts_at_once_on_top_of_an_older_report(view: LoadView, clock: Clock) -> None:
@@ -383,7 +433,8 @@ class NaiveView:
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self.report_ts: dict[str, float] = {}
+        self.report_ts: dict[str, float] = {}  # the newest stamp taken, as moved by `offsets`
+        self.offsets: dict[str, float] = {}  # each worker's steps back
         self.live: list[dict[str, Any]] = []
         self.arrivals: list[tuple[str, float, int]] = []  # (worker, at, prompt tokens) of every booking
 
@@ -397,6 +448,16 @@ class NaiveView:
         for b in self.live:
             if b["key"] == key and b["done"] is None and worker in (None, b["worker"]):
                 b["done"] = self.clock.now
+
+    def report(self, worker: str, ts: float) -> None:
+        """A stamp within MAX_CLOCK_SKEW_S of now: the offset comes off as far as it puts it past that."""
+        now, held, offset = self.clock.now, self.report_ts.get(worker), self.offsets.get(worker, 0.0)
+        if ts + offset > now + MAX_CLOCK_SKEW_S:
+            offset = max(0.0, now - ts)
+        if held is not None and held - (ts + offset) > MAX_REORDER_S:
+            offset = held - ts  # a step back: read as stamped with the newest stamp
+        if held is None or ts + offset >= held:
+            self.report_ts[worker], self.offsets[worker] = ts + offset, offset
 
     def drop(
         self, keys: Collection[tuple[str | None, str]] = (), worker: str | None = None, router: str | None = None
@@ -467,10 +528,10 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
         elif op == "free":
             view.free(args[1], router=args[0])
             ref.drop(keys={(args[0], args[1])})
-        elif op == "report":  # late (dropped) or from a clock stepped back (taken): the newest stamp covers
+        elif op == "report":  # late (dropped) or from a clock stepped back (taken, its stamps moved on)
             worker, ts = args[0], min(clock.now + args[1], clock.now + MAX_CLOCK_SKEW_S)  # future stamps clamped
             view.update(LoadReport(worker=worker, ts=ts))
-            ref.report_ts[worker] = max(ts, ref.report_ts.get(worker, float("-inf")))
+            ref.report(worker, ts)
             live = view.liveness(worker)
             assert live is not None and live.age_s == 0.0
         elif op == "tick":
@@ -478,6 +539,7 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
         elif op == "remove":
             view.remove_worker(args[0])
             ref.report_ts.pop(args[0], None)
+            ref.offsets.pop(args[0], None)
             ref.drop(worker=args[0])
             ref.arrivals = [a for a in ref.arrivals if a[0] != args[0]]
         elif op == "forget":
