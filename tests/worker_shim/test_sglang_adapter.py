@@ -22,6 +22,7 @@ from tests.worker_shim.cluster import served, wait_for
 from tests.worker_shim.fake_sglang import TOO_LONG as TOO_LONG_FOR_CONTEXT
 from tests.worker_shim.fake_sglang import FakeSglang
 from worker_shim import Normaliser
+from worker_shim.adapters import openai_http
 from worker_shim.adapters.base import EngineError, LegRequest
 from worker_shim.adapters.sglang import (
     SglangAdapter,
@@ -846,6 +847,54 @@ async def test_a_generate_stream_cut_before_done_is_no_answer(
         assert (outcome.finish_reason, outcome.token_ids) == ("length", [11, 12])
     finally:
         await adapter.close()
+
+
+def _cumulative_event(n: int, finish: str | None) -> bytes:
+    """An event of SGLang's default /generate stream (no --incremental-streaming-output): the text
+    and output_ids of the whole leg so far."""
+    meta = {"completion_tokens": n, "prompt_tokens": 3, "finish_reason": finish and {"type": finish}}
+    data = {"text": "word " * n, "output_ids": [100000 + i for i in range(n)], "meta_info": meta}
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+async def test_a_long_cumulative_generate_stream_is_read_whole(
+    streams: tuple[str, list[list[bytes]], list[dict[str, Any]]],
+) -> None:
+    """A 50k-token leg's last events are over 600 KB each: read by aiohttp's readline (512 KiB at most)
+    until 2026-12-08, its LineTooLong was the shim's own 500 `internal`, with a traceback."""
+    url, answers, _ = streams
+    n = 50_000
+    last = _cumulative_event(n, "length")
+    assert len(last) > 512 << 10  # aiohttp's readline bound: 2 x its 256 KiB read limit
+    answers.append([_cumulative_event(n - 1, None), last, b"data: [DONE]\n\n"])
+    adapter = SglangAdapter(ShimConfig(engine="sglang", model="m", engine_url=url, kv_events="tcp://127.0.0.1:9"))
+    await adapter.open()
+    seen: list[list[int]] = []
+
+    async def on_output(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
+        seen.append(token_ids)
+
+    try:
+        leg = LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=n), stream=True)
+        outcome = await adapter.generate(leg, on_output)
+    finally:
+        await adapter.close()
+    ids = [100000 + i for i in range(n)]
+    assert (outcome.finish_reason, outcome.token_ids, outcome.usage.completion_tokens) == ("length", ids, n)
+    assert seen == [ids[:-1], ids[-1:]]
+
+
+async def test_a_generate_line_past_the_line_bound_is_the_engines_protocol_error(
+    streams: tuple[str, list[list[bytes]], list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/generate is read with the OpenAI path's bound on a line (openai_http.MAX_LINE_BYTES): one
+    that never ends is the engine's fault, not buffered without end."""
+    monkeypatch.setattr(openai_http, "MAX_LINE_BYTES", 1 << 20)
+    url, answers, _ = streams
+    answers.append([_event([11], None), b"data: " + b"x" * (1 << 20), b"x" * (1 << 20)])
+    err, seen = await _failing_generate(url, stream=True)
+    assert (err.code, err.kind) == (502, "engine_protocol") and "without a newline" in err.message
+    assert seen == [[11]]
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ __all__ = [
     "Result",
     "StreamCut",
     "error_from",
+    "line_batches",
     "model_cards",
     "pass_through_body",
     "post_completion",
@@ -115,9 +116,10 @@ _UTF8_PIECE = 256 << 10  # what _check_utf8 decodes at a time
 ENDPOINT_PATHS = {ENDPOINT_COMPLETIONS: "/v1/completions", ENDPOINT_CHAT: "/v1/chat/completions"}
 # A utility call is no generation, but tokenizing a long prompt with a chat template takes a while.
 UTILITY_TIMEOUT = aiohttp.ClientTimeout(total=60.0)
-# The longest SSE line read before its newline, the router's bound on one event (its
-# MAX_ANSWER_BYTES): a streamed echo of a long prompt with logprobs is megabytes, but an engine or
-# proxy that never ends its line was buffered until the request's deadline, growing all the while.
+# The longest SSE line read before its newline (here and on SGLang's /generate), the router's bound
+# on one event (its MAX_ANSWER_BYTES): a streamed echo of a long prompt with logprobs is megabytes,
+# but an engine or proxy that never ends its line was buffered until the request's deadline,
+# growing all the while.
 MAX_LINE_BYTES = 256 << 20
 
 
@@ -444,7 +446,7 @@ def _fold_lines(
     return count, events, False
 
 
-async def _line_batches(content: aiohttp.StreamReader) -> AsyncGenerator[list[bytes], None]:
+async def line_batches(content: aiohttp.StreamReader) -> AsyncGenerator[list[bytes], None]:
     """The stream's lines, each batch what one read brought (the last line may end at EOF without
     a newline); a line split over reads comes whole with the read that ends it. EngineError 502 for
     a line past MAX_LINE_BYTES."""
@@ -512,7 +514,7 @@ async def post_completion(
                 return result
             done = False
             try:
-                async with contextlib.aclosing(_line_batches(resp.content)) as batches:
+                async with contextlib.aclosing(line_batches(resp.content)) as batches:
                     async for lines in batches:
                         seen = len(result.token_ids)
                         count, events, end = _fold_lines(result, lines, pass_through=pass_through)

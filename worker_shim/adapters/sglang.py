@@ -87,7 +87,13 @@ from worker_shim.adapters.base import (
     engine_limit,
 )
 from worker_shim.adapters.http_engine import PROBE_TIMEOUT
-from worker_shim.adapters.openai_http import ENDPOINT_PATHS, error_from, pass_through_body, post_completion
+from worker_shim.adapters.openai_http import (
+    ENDPOINT_PATHS,
+    error_from,
+    line_batches,
+    pass_through_body,
+    post_completion,
+)
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig, ShimRole
 from worker_shim.engine_kind import check_engine_kind
@@ -728,15 +734,19 @@ class SglangAdapter(ZmqEventsAdapter):
                 if not body["stream"]:
                     folder.fold(_object(msgspec.json.decode(await r.read()), "the /generate response"))
                     return folder
-                async for line in r.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        return folder
-                    new = folder.fold(_object(msgspec.json.decode(payload), "a streamed /generate event"))
-                    if new and on_tokens is not None:
-                        await on_tokens(new)
+                # SGLang streams output_ids cumulatively by default: a long leg's events grow past aiohttp's
+                # readline bound (512 KiB), whose LineTooLong was the shim's own 500 `internal`.
+                async with contextlib.aclosing(line_batches(r.content)) as batches:
+                    async for lines in batches:
+                        for line in lines:
+                            if not line.startswith(b"data:"):
+                                continue
+                            payload = line[5:].strip()
+                            if payload == b"[DONE]":
+                                return folder
+                            new = folder.fold(_object(msgspec.json.decode(payload), "a streamed /generate event"))
+                            if new and on_tokens is not None:
+                                await on_tokens(new)
                 # SGLang's /generate ends every stream with [DONE], after an error event too
                 # (http_server.generate_request): one cut short (the engine gone, a proxy) is no answer.
                 raise EngineError(502, "engine_protocol", f"{self.base}/generate: the stream ended without [DONE]")
