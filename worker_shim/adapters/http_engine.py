@@ -27,7 +27,7 @@ import aiohttp
 from protocol import ConfigError
 from protocol.client_errors import essence
 from protocol.messages import ENGINE_UTILITY_ENDPOINTS
-from runtime import cancel_and_wait
+from runtime import StopSteps, cancel_and_wait
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth, ModelCard
 from worker_shim.adapters.openai_http import model_cards, post_utility
 from worker_shim.config import ShimConfig
@@ -111,12 +111,18 @@ class HttpEngineAdapter(EngineAdapter):
             self._session = aiohttp.ClientSession(timeout=_SESSION_TIMEOUT, connector=connector)
 
     async def close(self) -> None:
+        """The late health probe is reaped, then the session closed, though a cancellation cut the
+        reap (a cancelled close): until 2026-12-08 that cut skipped the close, the session left open."""
         late, self._late = self._late, None
-        if late is not None:
-            await cancel_and_wait(late)
         session, self._session = self._session, None
+        steps = StopSteps()
+        if late is not None:
+            with steps:
+                await cancel_and_wait(late)
         if session is not None:
-            await session.close()
+            with steps:
+                await session.close()
+        steps.end()
 
     async def health(self) -> EngineHealth:
         """The engine's health; a probe the shim could not make (out of file descriptors) repeats
