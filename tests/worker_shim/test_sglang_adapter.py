@@ -676,6 +676,18 @@ def test_output_ids_that_go_back_with_no_count_send_no_token_twice() -> None:
     assert folder.token_ids == [1, 2, 3] and folder.usage.completion_tokens == 3
 
 
+def test_a_completion_count_past_the_ids_sent_loses_no_token_silently() -> None:
+    """2 then 5 with one new id: until 2026-12-08 the folder sent [13] and billed 5 tokens, the
+    two it never had lost with no word."""
+    folder = StreamFolder()
+    assert folder.fold({"output_ids": [11, 12], "meta_info": {"completion_tokens": 2}}) == [11, 12]
+    with pytest.raises(EngineError) as caught:
+        folder.fold({"output_ids": [13], "meta_info": {"completion_tokens": 5, "finish_reason": {"type": "length"}}})
+    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
+    assert "completion_tokens rose from 2 to 5, but it has only 1 output_ids" in caught.value.message
+    assert folder.token_ids == [11, 12] and folder.usage.completion_tokens == 2
+
+
 # SGLang's TokenizerManager._handle_abort_req, for any request aborted in the waiting queue.
 ABORT_BEFORE_PREFILL = {
     "text": "",

@@ -497,7 +497,6 @@ class StreamFolder:
             return []
         done = self._completion_tokens(meta) or len(ids)
         prompt, cached = _meta_count(meta, "prompt_tokens"), _meta_count(meta, "cached_tokens")
-        new = list(ids[len(ids) - (done - self.sent) :]) if done > self.sent else []
         if done < self.sent:  # no count: len(output_ids) stood in, and the next event's ids would go again
             raise EngineError(
                 502,
@@ -505,6 +504,14 @@ class StreamFolder:
                 f"a /generate event with no meta_info.completion_tokens has {len(ids)} output_ids, fewer "
                 f"than the {self.sent} tokens already folded",
             )
+        if done - self.sent > len(ids):  # the slice took every id, the rest lost while usage billed `done`
+            raise EngineError(
+                502,
+                "engine_protocol",
+                f"a /generate event's meta_info.completion_tokens rose from {self.sent} to {done}, but it has only "
+                f"{len(ids)} output_ids",
+            )
+        new = list(ids[len(ids) - (done - self.sent) :]) if done > self.sent else []
         if not all(type(t) is int for t in new):
             raise EngineError(502, "engine_protocol", f"a /generate event's output_ids hold {new!r}, not token ids")
         self.sent = done
