@@ -404,6 +404,43 @@ def test_no_room_on_any_decode_worker_returns_none() -> None:
     assert f.planner.take(f.ctx(list(range(64)))) is not None
 
 
+def test_a_request_only_a_full_decode_worker_serves_waits_for_it_rather_than_a_503() -> None:
+    # s1 (SGLang, no local prefill) has room but no SGLang prefill worker is up; d1 (vLLM,
+    # prefills locally) serves the request but is full: it waits for d1, as /debug/route says.
+    f = Fleet(winfo("s1", engine="sglang", local_prefill=False), winfo("d1"))
+    f.report("d1", prefill_tokens_queued=200_000)
+    info = f.planner.explain(f.ctx(list(range(64)), "dbg"))
+    assert (info["admissible"], info["waits"], info["decode_worker"]) == (True, True, "d1")
+    assert f.planner.take(f.ctx(list(range(64)))) is None
+    assert f.view.bookings("s1") == f.view.bookings("d1") == 0 and not f.planner.disagg.counts
+    f.report("d1", prefill_tokens_queued=0)
+    plan = f.planner.take(f.ctx(list(range(64)), "r2"))
+    assert plan is not None and plan.decode.worker == "d1"
+
+
+def test_a_request_no_transfer_handle_serves_waits_for_a_full_worker_that_prefills_locally() -> None:
+    # s1 and sp1, an SGLang P/D pair with room, cannot serve n=2; d1 (vLLM) can, once it frees
+    f = Fleet(winfo("s1", engine="sglang", local_prefill=False), winfo("sp1", "prefill", engine="sglang"), winfo("d1"))
+    f.report("d1", prefill_tokens_queued=200_000)
+    shape = RequestShape(sequences=2)
+    info = f.planner.explain(f.planner.context("dbg", MODEL, list(range(64)), shape=shape))
+    assert (info["waits"], info["decode_worker"]) == (True, "d1")
+    assert f.planner.take(f.planner.context("r", MODEL, list(range(64)), shape=shape)) is None
+    f.report("d1", prefill_tokens_queued=0)
+    plan = f.planner.take(f.planner.context("r2", MODEL, list(range(64)), shape=shape))
+    assert plan is not None and (plan.decode.worker, plan.path) == ("d1", Path.AGG)  # no vLLM prefill worker
+
+
+def test_a_request_no_worker_would_serve_even_with_room_is_still_a_503() -> None:
+    # s1 has room, s2 is full; neither prefills locally and no SGLang prefill worker is up:
+    # waiting for s2 frees nothing that serves it
+    f = Fleet(winfo("s1", engine="sglang", local_prefill=False), winfo("s2", engine="sglang", local_prefill=False))
+    f.report("s2", prefill_tokens_queued=200_000)
+    with pytest.raises(PlanError) as caught:
+        f.planner.take(f.ctx(list(range(64))))
+    assert caught.value.code == 503 and "cannot prefill locally" in caught.value.message
+
+
 def test_with_every_prefill_worker_full_the_decode_worker_prefills() -> None:
     f = Fleet(winfo("d1"), winfo("p1", "prefill"), disagg="always")
     f.report("p1", prefill_tokens_queued=200_000)
