@@ -102,7 +102,6 @@ class _Waiter:
     ctx: RequestContext
     take: Callable[[RequestContext], RoutePlan | None]
     future: asyncio.Future[RoutePlan]
-    since: float
     n: int  # arrival order, across every line
 
     @property
@@ -212,7 +211,7 @@ class Admission:
             if plan is not None:
                 return plan
         waiting = len(line.waiters) if line is not None else 0
-        waiter = _Waiter(ctx, take, asyncio.get_running_loop().create_future(), self._clock(), next(self._arrivals))
+        waiter = _Waiter(ctx, take, asyncio.get_running_loop().create_future(), next(self._arrivals))
         if waiting >= self.bound(model):
             self.refused += 1
             full = Overloaded(
