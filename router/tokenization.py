@@ -129,6 +129,9 @@ class PromptTokenizer(Protocol):
     name: str
     # why its ids may differ from the engine's, where it knows (FingerprintWatch says it); else None
     caveat: str | None
+    # the JSON size of what its template is given on every chat besides the request's own (the
+    # --default-chat-template-kwargs): Tokenization counts it in a chat's size
+    template_defaults_size: int
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def encode_chat(self, messages: Messages, options: ChatOptions = ...) -> list[int]: ...
@@ -143,6 +146,7 @@ class BuiltinPromptTokenizer:
 
     name = BuiltinTokenizer.name
     caveat: str | None = None
+    template_defaults_size = 0  # its ChatML takes no defaults
 
     def __init__(self) -> None:
         self._tok = BuiltinTokenizer()
@@ -257,6 +261,7 @@ class HfPromptTokenizer:
         # vLLM's --default-chat-template-kwargs: under a request's own, over the special tokens;
         # its tools and documents count where the request gives none
         defaults = dict(default_kwargs or {})
+        self.template_defaults_size = len(msgspec.json.encode(defaults))
         self._default_tools = defaults.pop("tools", None)
         self._default_documents = defaults.pop("documents", None)
         self._defaults = defaults
@@ -384,7 +389,9 @@ class HfPromptTokenizer:
     def encode_chat(self, messages: Messages, options: ChatOptions = ChatOptions()) -> list[int]:
         # The template writes the special tokens itself (add_special_tokens False, vLLM's default).
         text = self.render_chat(messages, options)
-        if len(text) > OFFLOAD_CHARS:  # on the pool (Tokenization.encode_chat): leave the loop the GIL
+        # A long text comes of a chat given much (the defaults too), which Tokenization.encode_chat
+        # sends to the pool: there, leave the loop the GIL.
+        if len(text) > OFFLOAD_CHARS:
             return self.encode_large(text, options.add_special_tokens)
         return self.encode(text, options.add_special_tokens)
 
@@ -668,9 +675,11 @@ class Tokenization:
         if self.exclude_tools_when_tool_choice_none and options.tool_choice == "none":
             # vLLM renders such a request without its `tools` (chat_template_kwargs' tools stay)
             options = replace(options, tools=None)
-        # All the template is given (a part's text under its own key, tool calls, tools, documents),
-        # as JSON: bytes, not characters, but its order of size.
-        size = len(msgspec.json.encode((messages, options.tools, options.raw_tools, options.documents)))
+        # All the template is given (a part's text under its own key, tool calls, tools, documents,
+        # the request's kwargs and the tokenizer's defaults: more than it renders where the request's
+        # tools or documents replace the defaults'), as JSON: bytes, not characters, but its order of size.
+        given = (messages, options.tools, options.raw_tools, options.documents, options.chat_template_kwargs)
+        size = len(msgspec.json.encode(given)) + self.tokenizer.template_defaults_size
         if size <= self.offload_chars and options.chat_template is None:
             return self.tokenizer.encode_chat(messages, options)
         self.offloaded += 1

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +278,54 @@ async def test_a_large_chat_is_tokenized_on_a_thread_that_leaves_the_loop_the_gi
         assert t.offloaded == 5  # old: 2, each of these three tokenized on the loop
         await t.encode_chat(short, ChatOptions())
         assert t.offloaded == 5
+    finally:
+        t.close()
+
+
+def _recording_thread(encode_chat: Callable[..., list[int]], threads: list[str]) -> Callable[..., list[int]]:
+    """`encode_chat` that appends the name of the thread it runs on to `threads`."""
+
+    def recorded(messages: Any, options: ChatOptions) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return encode_chat(messages, options)
+
+    return recorded
+
+
+_LARGE = "hello world " * 300
+
+
+@pytest.mark.parametrize(
+    ("defaults", "options"),
+    [
+        ({"documents": [{"title": "t", "text": _LARGE}]}, ChatOptions()),
+        ({"system": _LARGE}, ChatOptions()),
+        (None, ChatOptions(chat_template_kwargs={"system": _LARGE})),
+    ],
+    ids=["default_documents", "default_kwarg", "request_kwarg"],
+)
+async def test_a_small_chat_given_large_defaults_or_kwargs_renders_on_the_pool(
+    hf_dir: Path, monkeypatch: pytest.MonkeyPatch, defaults: dict[str, Any] | None, options: ChatOptions
+) -> None:
+    """Sized by the request's messages, tools and documents only: a router whose
+    --default-chat-template-kwargs held 2.4 MB of documents rendered and tokenized them on the
+    event loop for every small chat (5.3 s each, until 2026-12-08); a large value in the
+    request's chat_template_kwargs too."""
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for d in documents or [] %}{{ d['text'] }} {% endfor %}{{ system or '' }} " + TEMPLATE
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    small = [{"role": "user", "content": "hello"}]
+    tok = HfPromptTokenizer(hf_dir, default_kwargs=defaults)
+    threads: list[str] = []
+    monkeypatch.setattr(tok, "encode_chat", _recording_thread(tok.encode_chat, threads))
+    t = Tokenization(tok, offload_chars=2000)
+    try:
+        assert len(await t.encode_chat(small, options)) > 600  # the large text was rendered
+        assert t.offloaded == 1  # old: 0, rendered on the loop
+        assert len(threads) == 1 and threads[0].startswith("kvswitch-tokenize")
+        await t.encode_chat(small, ChatOptions(chat_template_kwargs={"system": "hello"}))
+        # a small kwarg and no defaults: inline; large defaults: every chat on the pool
+        assert t.offloaded == (1 if defaults is None else 2)
     finally:
         t.close()
 
