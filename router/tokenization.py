@@ -35,6 +35,7 @@ own, so the ids are the same) so the loop gets the GIL between lines.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import datetime
 import functools
@@ -695,8 +696,8 @@ class FingerprintWatch:
     worker, at ERROR, that it gets no text prompts and how to fix it, and reports the mismatches
     (the first on /ready, every one on /debug/workers). The fix is the router's, so a fleet of
     another tokenizer is said as /ready says it: the first NAMED_AT_MOST workers by name, the rest
-    counted (router.fleet_lines); a worker back under its name (a fleet restart) with the same
-    mismatch is not said again. Its workers refused are looked at again as days are added
+    counted by kind of reason (router.fleet_lines); a worker back under its name (a fleet restart)
+    with the same mismatch is not said again. Its workers refused are looked at again as days are added
     (`recheck`): one whose engine probed on a day after the router's last takes text prompts from
     midnight on, and /ready and /debug/workers must stop listing it then."""
 
@@ -719,13 +720,10 @@ class FingerprintWatch:
         self.caveat = caveat
         self._mismatched: dict[str, tuple[WorkerInfo, str]] = {}  # worker -> (its record, why)
         self._said = LastSaid()
-        self._lines = FleetLines(
-            log,
-            logging.ERROR,
-            f"get no text prompts from this router: their tokenizers differ from its {self.mine} (the first named "
-            "above say how to fix it; /ready counts them, /debug/workers lists them)",
-            fleet_log=fleet_log,
-        )
+        # Each held worker's kind of reason, for its window's summary (one cause said of all sent
+        # the operator of old or unprobed shims to --tokenizer)
+        self._held: dict[str, str] = {}
+        self._lines = FleetLines(log, logging.ERROR, self._summary_cause, fleet_log=fleet_log)
 
     def check(self, info: WorkerInfo) -> None:
         if self.days.accepts(info.tokenizer):
@@ -733,14 +731,14 @@ class FingerprintWatch:
             self._said.clear(info.worker)
             return
         why = self._why(info)
-        if self._said.news(info.worker, why):
-            self._lines.say(
-                info.worker,
-                "worker %s (model %s) gets no text prompts from this router: %s",
-                info.worker,
-                info.model,
-                why,
-            )
+        if self._said.news(info.worker, why) and not self._lines.say(
+            info.worker,
+            "worker %s (model %s) gets no text prompts from this router: %s",
+            info.worker,
+            info.model,
+            why,
+        ):
+            self._held[info.worker] = self._kind(info)
         self._mismatched[info.worker] = (info, why)
 
     def forget(self, worker: str) -> None:
@@ -764,6 +762,23 @@ class FingerprintWatch:
                 "just added",
                 few_ids(sorted(taken)),
             )
+
+    def _kind(self, info: WorkerInfo) -> str:
+        """`_why`'s kind of reason, as the summary counts it."""
+        if self.days.is_legacy(info.tokenizer):
+            return f"their shims predate the {PROBES_SINCE} tokenizer probe set (upgrade them)"
+        if not info.tokenizer:
+            return "their shims registered no tokenizer fingerprint (the shims' logs say why)"
+        return f"their tokenizers differ from its {self.mine}"
+
+    def _summary_cause(self, workers: int) -> str:
+        kinds = collections.Counter(self._held.values())
+        self._held.clear()
+        return (
+            "get no text prompts from this router: "
+            + "; ".join(f"{kind} ({n})" for kind, n in kinds.most_common())
+            + " (/ready counts them; /debug/workers gives each one's reason and its fix)"
+        )
 
     def _why(self, info: WorkerInfo) -> str:
         if self.days.is_legacy(info.tokenizer):

@@ -17,10 +17,12 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from protocol.config import RouterSettings
+from protocol.fingerprint import PROBES_SINCE
 from protocol.messages import WorkerInfo
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 from router.api_errors import ApiError
 from router.block_index import BlockIndex
+from router.fleet_lines import NAMED_AT_MOST
 from router.load_view import LoadView
 from router.planner import standalone_planner
 from router.request_parsing import parse_request, prompt_ids
@@ -441,6 +443,41 @@ def test_ready_names_the_first_workers_refused_text_and_counts_them_all() -> Non
     assert summary["text_refused_total"] == 20 and summary["router"] == "builtin"
     assert "--tokenizer" in summary["text_refused"][0]["why"]
     assert len(watch.report()["text_refused"]) == 20
+
+
+def test_the_fleet_summary_counts_each_kind_of_reason_not_one_tokenizer_cause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The summary of the workers past the first named said "their tokenizers differ" whatever their
+    reasons: a fleet of shims that only predate the probes, or registered no fingerprint, was
+    pointed at --tokenizer at ERROR (audit of 2026-12-08)."""
+    watch = FingerprintWatch("tok-new", legacy="tok-old")
+
+    def info(worker: str, tokenizer: str) -> WorkerInfo:
+        return WorkerInfo(worker=worker, model="m", role="agg", engine="vllm", block_size=16, tokenizer=tokenizer)
+
+    with caplog.at_level(logging.ERROR, logger="router.tokenization"):
+        for i in range(NAMED_AT_MOST + 3):  # the first named, then three held: the old probes' fingerprint
+            watch.check(info(f"w{i:02d}", "tok-old"))
+        watch.check(info("x0", ""))
+        watch.check(info("x1", ""))
+        watch.check(info("y0", "tok-other"))
+        watch._lines.flush()
+        # the window goes on: the next summary counts only the workers held since the last
+        watch.check(info("z0", "tok-old"))
+        for i in range(NAMED_AT_MOST):
+            watch.check(info(f"z{i + 1}", "tok-other"))
+        watch._lines.flush()
+    said = [r.getMessage() for r in caplog.records]
+    assert all("predate" in line for line in said[:NAMED_AT_MOST])
+    tail = " (/ready counts them; /debug/workers gives each one's reason and its fix)"
+    assert said[NAMED_AT_MOST:] == [
+        "and 6 more workers: get no text prompts from this router: their shims predate the "
+        f"{PROBES_SINCE} tokenizer probe set (upgrade them) (3); their shims registered no tokenizer "
+        f"fingerprint (the shims' logs say why) (2); their tokenizers differ from its tok-new (1){tail}",
+        "and 9 more workers: get no text prompts from this router: their tokenizers differ from its tok-new (8); "
+        f"their shims predate the {PROBES_SINCE} tokenizer probe set (upgrade them) (1){tail}",
+    ]
 
 
 def test_a_tool_call_vllm_would_refuse_is_a_named_error(hf_dir: Path) -> None:
