@@ -29,7 +29,7 @@ from worker_shim import ShimConfig, ShimStatus, WorkerShim
 from worker_shim.adapters import trtllm
 from worker_shim.adapters.base import EngineCold, EngineError, EngineHealth
 from worker_shim.adapters.trtllm import TrtllmAdapter
-from worker_shim.engine_events import EngineBatch, EngineStored
+from worker_shim.engine_events import EngineBatch, EngineRestarted, EngineStored
 
 STATS = {"numActiveRequests": 0, "numQueuedRequests": 0,
          "kvCacheStats": {"maxNumBlocks": 512, "usedNumBlocks": 0, "tokensPerBlock": TPB}}  # fmt: skip
@@ -229,9 +229,9 @@ async def test_the_limits_read_hold_for_an_idle_engines_empty_answers_until_it_m
             assert (await adapter.limits()).block_size == TPB
             got: list[EngineBatch] = []
             task = asyncio.create_task(adapter.run_events(collector(got), asyncio.Event()))
-            await until(lambda: not polls, 5, "the engine's start shown again (event 0)")
-            await until(lambda: adapter.tracker.restarts == 1, 5, "the restart seen")
-            task.cancel()
+            with pytest.raises(EngineRestarted):  # the engine's start shown again (event 0)
+                await asyncio.wait_for(task, 5)
+            assert adapter.tracker.restarts == 1
             with pytest.raises(EngineCold):
                 await adapter.limits()
         finally:
@@ -278,6 +278,100 @@ class _Restarted(_Fresh):
     async def metrics(self, request: web.Request) -> web.Response:
         kv = {"maxNumBlocks": 1024, "usedNumBlocks": 0, "tokensPerBlock": 2 * TPB}
         return web.json_response([{**STATS, "kvCacheStats": kv}] if self.generated else [])
+
+
+async def test_a_restart_only_the_event_ids_show_ends_the_session_and_the_next_takes_its_limits(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """trtllm-serve restarted between two health checks with twice the block size: its event ids
+    start over at 0. Until 2026-12-08 the stream was reset and the session kept its worker id and
+    the old limits (every Stored of the new size dropped); now the session ends, the worker
+    registers anew with the new engine's limits, and the new run's events are indexed."""
+    engine = {"new": False}
+    polls: list[list[Any]] = [[CREATED, stored(1, None, (11, [1] * TPB))]]
+    new_kv = {"maxNumBlocks": 1024, "usedNumBlocks": 0, "tokensPerBlock": 2 * TPB}
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response([{**STATS, "kvCacheStats": new_kv}] if engine["new"] else [STATS])
+
+    async def events(request: web.Request) -> web.Response:
+        return web.json_response(polls.pop(0) if polls else [])
+
+    async def completions(request: web.Request) -> web.Response:
+        return web.json_response(_completion([7]))
+
+    routes = {"/metrics": metrics, "/kv_cache_events": events, "/health": _ok, "/v1/completions": completions}
+    async with _engine(routes) as url:
+        cfg = ShimConfig(engine="trtllm", engine_url=url, model="m", namespace=ns, health_interval_s=0.1)
+        with caplog.at_level(logging.WARNING, logger="worker_shim.shim"):
+            async with WorkerShim(cfg, *_settings(nats_url, etcd_url)) as shim:
+                await until(lambda: shim.serving, 10, "registered")
+                assert (shim.limits.block_size, shim.registration_count) == (TPB, 1)
+                engine["new"] = True
+                created = {**CREATED, "data": {"type": "created", "num_blocks_per_cache_level": [1024, 0]}}
+                polls.append([created, stored(1, None, (21, [2] * 2 * TPB))])
+                await until(lambda: shim.registration_count == 2 and shim.serving, 10, "registered anew")
+                assert (shim.limits.block_size, shim.limits.kv_total_blocks) == (2 * TPB, 1024)
+                polls.append([stored(2, None, (22, [3] * 2 * TPB))])
+                norm = shim.normaliser
+                assert norm is not None and isinstance(shim.adapter, TrtllmAdapter)
+                await until(lambda: len(norm.canonical_hashes()) == 1, 5, "the new run's block")
+                assert (shim.registration_count, shim.adapter.tracker.restarts) == (2, 1)
+        said = [r.getMessage() for r in caplog.records]
+        assert any("its KV event ids went back from 1 to 0" in m for m in said), said
+
+
+@pytest.mark.parametrize("health_saw", [True, False], ids=["health-saw-it", "unseen"])
+async def test_a_streams_first_poll_from_zero_is_a_restart_only_against_limits_held(health_saw: bool) -> None:
+    """Event ids are compared with the run of the engine whose limits the session took. After
+    /health said down the limits are read anew from the engine back at the URL: its ids from 0 are
+    its own start, no second restart of a session that ended already. Held (a restart between
+    sessions, unseen), they are the old engine's: ids that went back end the new stream, before any
+    of the new run is delivered."""
+    reads: list[list[Any]] = [[STATS]]
+    health = {"status": 200}
+    polls: list[list[Any]] = [[CREATED, stored(1, None, (11, [1] * TPB))]]
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response(reads.pop(0) if reads else [])
+
+    async def health_route(request: web.Request) -> web.Response:
+        return web.Response(status=health["status"])
+
+    async def kv_cache_events(request: web.Request) -> web.Response:
+        return web.json_response(polls.pop(0) if polls else [])
+
+    routes = {"/metrics": metrics, "/health": health_route, "/kv_cache_events": kv_cache_events}
+    async with _engine(routes) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+            assert (await adapter.limits()).block_size == TPB
+            first = asyncio.create_task(adapter.run_events(collector([]), asyncio.Event()))
+            await until(lambda: not polls and adapter.tracker.last_id == 1, 5, "the first run's events")
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            if health_saw:
+                health["status"] = 503
+                assert await adapter.health() is EngineHealth.DOWN
+                health["status"] = 200
+                reads.append([STATS])
+            assert (await adapter.limits()).block_size == TPB  # read anew, or held
+            polls.append([CREATED, stored(1, None, (21, [2] * TPB))])
+            got: list[EngineBatch] = []
+            task = asyncio.create_task(adapter.run_events(collector(got), asyncio.Event()))
+            if health_saw:
+                await until(lambda: len(got) == 2, 5, "the new run's first batch")
+                task.cancel()
+                assert (got[1].reset, got[1].complete, len(got[1].events)) == (True, True, 1)
+                assert adapter.tracker.restarts == 0
+            else:
+                with pytest.raises(EngineRestarted, match="went back from 1 to 0"):
+                    await asyncio.wait_for(task, 5)
+                assert got == [EngineBatch(reset=True, complete=False)] and adapter.tracker.restarts == 1
+        finally:
+            await adapter.close()
 
 
 async def test_held_limits_go_with_a_fresh_engines_500_and_an_engine_gone() -> None:

@@ -19,9 +19,10 @@
   the engine's stats queue: an idle engine answers [] again after a read, so the limits read are
   held for the engine's life and stand for a later session's empty answer; a /health that says
   down, an events poll failing on the transport or answered 500 (a fresh engine), or event ids
-  that start over (a restart) drop them. A load read of [] (no iteration since
-  the last read, or a buffered /metrics not refilled until a request finishes) is the last load,
-  marked stale. Both endpoints drain what they return: the shim must be their only reader.
+  that start over (a restart) drop them. Ids that start over also end the session (EngineRestarted,
+  before any of the new run is delivered); limits read anew start the ids' comparison over. A load
+  read of [] (no iteration since the last read, or a buffered /metrics not refilled until a request
+  finishes) is the last load, marked stale. Both endpoints drain what they return: the shim must be their only reader.
   Without `return_perf_metrics` trtllm-serve answers `/metrics` only once 2 s pass with no new
   iteration (`get_stats_async(2)`), so under steady load it holds the answer while the load lasts:
   one read is in flight at a time, and a `load()` it keeps waiting reports the last load, stale
@@ -78,7 +79,7 @@ from worker_shim.adapters.openai_http import ENDPOINT_PATHS, StreamCut, pass_thr
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker, attention_dp_error
 from worker_shim.adapters.vllm import completion_body
 from worker_shim.config import ShimConfig
-from worker_shim.engine_events import EngineBatch, EventSink
+from worker_shim.engine_events import EngineBatch, EngineRestarted, EventSink
 from worker_shim.engine_kind import check_engine_kind
 from worker_shim.prom_text import as_count
 
@@ -403,6 +404,10 @@ class TrtllmAdapter(HttpEngineAdapter):
         if len(self.tracker.ranks) > 1:
             raise attention_dp_error(self.tracker.ranks)
         held = self._limits
+        if held is None:
+            # Read anew (the engine may be another): its event ids count from its own start, which
+            # is no restart of the session's engine (a second one for a restart /health saw).
+            self.tracker.last_id = None
         body = await self._read_metrics(LIMITS_WAIT_S if held is None else LOAD_WAIT_S)
         if body is None and held is not None:
             # Held: the engine runs iterations, so it is the one whose limits are held (a restart
@@ -524,8 +529,13 @@ class TrtllmAdapter(HttpEngineAdapter):
                 else:
                     restarts = self.tracker.restarts
                     batch = self.tracker.fold(events)  # malformed events: counted, logged once, dropped
-                    if self.tracker.restarts != restarts:
-                        self._forget_engine()  # another engine: its limits are read anew
+                    if self.tracker.restarts != restarts and self.tracker.went_back is not None:
+                        # Another engine run, maybe with other limits: the session ends (as the ZMQ
+                        # engines' do) and the next reads them anew. Until 2026-12-08 the stream was
+                        # reset and the session kept the old run's limits and worker id.
+                        self._forget_engine()
+                        old, new = self.tracker.went_back
+                        raise EngineRestarted("trtllm", f"its KV event ids went back from {old} to {new}")
                 answered, self._polled_at = True, time.monotonic()
                 live.set()
                 if batch.events or batch.reset:

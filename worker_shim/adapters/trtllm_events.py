@@ -14,7 +14,8 @@ keyed above every 64-bit value, so no string ever names the block an integer doe
 
 `event_id` counts up by one per event: a jump means events were lost (the engine's event buffer
 overflowed, or another reader drained them), a step back means the engine started afresh. There
-is no replay, so both reset the state (`complete` only for a fresh start). The start is the
+is no replay, so both reset the state (`complete` only for a fresh start); on a restart the adapter
+ends the session (TrtllmAdapter.run_events). The start is the
 engine's `created` events, one per attention window size: a model with sliding-window layers
 (VSWA) has one per window, numbered on, and caches each block once per window. Only the largest
 window's blocks hold a prompt's whole prefix, so only its `stored` and `removed` events are
@@ -183,6 +184,7 @@ class TrtllmEventTracker:
     last_id: int | None = None
     gaps: int = 0
     restarts: int = 0
+    went_back: tuple[int, int] | None = None  # the last restart's ids: the last one before, the first after
     ignored: int = 0  # `updated` events, `{}` entries, and smaller windows' stored/removed events
     partial: int = 0  # partly filled last blocks of stored events, dropped
     malformed: int = 0
@@ -250,6 +252,7 @@ class TrtllmEventTracker:
         last = self.last_id
         if last is not None and eid <= last:
             self.restarts += 1
+            self.went_back = (last, eid)
             self.window = None  # a restarted engine may have other windows
             self._reset(batch, complete=eid == 0)
         elif last is None and kind == "created":
