@@ -374,6 +374,55 @@ async def test_a_streams_first_poll_from_zero_is_a_restart_only_against_limits_h
             await adapter.close()
 
 
+async def test_a_metrics_read_hung_with_a_gone_engine_is_given_up_when_health_says_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A /metrics read hung on an engine whose host went away silently (no FIN, no RST, no read
+    deadline) stayed the adapter's read in flight after /health said down: until 2026-12-08 every
+    later limits() failed with the "held its answer ... set return_perf_metrics" 503 and load()
+    reported the last load, iterating (progress to the stall watchdog), until close(). A load()
+    waiting on it when health says down fails, not left waiting on a gone engine."""
+    monkeypatch.setattr(trtllm, "LIMITS_WAIT_S", 0.5)
+    monkeypatch.setattr(trtllm, "LOAD_WAIT_S", 0.2)
+    calls = {"metrics": 0}
+    health = {"status": 200}
+    never = asyncio.Event()
+
+    async def metrics(request: web.Request) -> web.Response:
+        calls["metrics"] += 1
+        if calls["metrics"] in (2, 5):
+            await never.wait()  # the engine's host gone mid-answer
+        return web.json_response([STATS])
+
+    async def health_route(request: web.Request) -> web.Response:
+        return web.Response(status=health["status"])
+
+    async def down_and_up() -> None:
+        health["status"] = 503
+        assert await adapter.health() is EngineHealth.DOWN
+        health["status"] = 200
+
+    async with _engine({"/metrics": metrics, "/health": health_route}) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+            assert (await adapter.limits()).block_size == TPB
+            assert (await adapter.load()).stale  # the read hangs
+            await down_and_up()
+            assert (await adapter.limits()).block_size == TPB  # read anew from the engine back
+            assert not (await adapter.load()).stale and calls["metrics"] == 4
+            monkeypatch.setattr(trtllm, "LOAD_WAIT_S", 30.0)
+            waiting = asyncio.create_task(adapter.load())
+            await until(lambda: calls["metrics"] == 5, 5, "the next read hung")
+            await down_and_up()
+            with pytest.raises(EngineError) as err:
+                await asyncio.wait_for(waiting, 5)
+            assert err.value.code == 503 and "during the read" in err.value.message
+        finally:
+            never.set()
+            await adapter.close()
+
+
 async def test_held_limits_go_with_a_fresh_engines_500_and_an_engine_gone() -> None:
     """An events poll answered 500 (a fresh engine's stream) or failing on the transport (the
     engine gone) drops the limits held: the engine next behind the URL may have others."""

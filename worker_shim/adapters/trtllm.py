@@ -15,23 +15,25 @@
   EngineCold: the shim has the engine serve one one-token request and asks again.
 - Limits and load: `GET /metrics` returns JSON iteration stats (tensorrt_llm/serve/openai_server.py
   `get_iteration_stats`); the newest entry's `kvCacheStats` gives maxNumBlocks, usedNumBlocks and
-  tokensPerBlock, `numActiveRequests` and `numQueuedRequests` the request counts. Reading drains
-  the engine's stats queue: an idle engine answers [] again after a read, so the limits read are
-  held for the engine's life and stand for a later session's empty answer; a /health that says
-  down, an events poll failing on the transport or answered 500 (a fresh engine), or event ids
-  that start over (a restart) drop them. Ids that start over also end the session (EngineRestarted,
-  before any of the new run is delivered); limits read anew start the ids' comparison over. A load
-  read of [] (no iteration since the last read, or a buffered /metrics not refilled until a request
-  finishes) is the last load, marked stale. Both endpoints drain what they return: the shim must be their only reader.
-  Without `return_perf_metrics` trtllm-serve answers `/metrics` only once 2 s pass with no new
-  iteration (`get_stats_async(2)`), so under steady load it holds the answer while the load lasts:
-  one read is in flight at a time, and a `load()` it keeps waiting reports the last load, stale
-  (busy, not down), and a `limits()` with limits held takes them. `return_perf_metrics` answers at
-  once only from PR #13405 on: before it, a trtllm-serve with the Prometheus collector loop drains
-  the stats in that loop too, and most reads answer []. EMPTY_SAY_READS reads of [] since the last
-  with stats, each begun after a leg ended (an idle engine's [] between them is neither counted nor
-  a reset), from an engine that has answered with stats (one without enable_iter_perf_stats never
-  does), are said once, naming it (a stale load alone says nothing).
+  tokensPerBlock, `numActiveRequests` and `numQueuedRequests` the request counts. Reading drains the
+  engine's stats queue: an idle engine answers [] again after a read, so the limits read are held
+  for the engine's life and stand for a later session's empty answer; a /health that says down, an
+  events poll failing on the transport or answered 500 (a fresh engine), or event ids that start
+  over (a restart) drop them. Ids that start over also end the session (EngineRestarted, before any
+  of the new run is delivered); limits read anew start the ids' comparison over. A load read of []
+  (no iteration since the last read, or a buffered /metrics not refilled until a request finishes)
+  is the last load, marked stale. Both endpoints drain what they return: the shim must be their only
+  reader. Without `return_perf_metrics` trtllm-serve answers `/metrics` only once 2 s pass with no
+  new iteration (`get_stats_async(2)`), so under steady load it holds the answer while the load
+  lasts: one read is in flight at a time, and a `load()` it keeps waiting reports the last load,
+  stale (busy, not down), and a `limits()` with limits held takes them. What drops the limits held
+  gives the read up too (its answer would be a gone engine's): a call waiting on it fails with 503.
+  `return_perf_metrics` answers at once only from PR #13405 on: before it, a trtllm-serve with the
+  Prometheus collector loop drains the stats in that loop too, and most reads answer [].
+  EMPTY_SAY_READS reads of [] since the last with stats, each begun after a leg ended (an idle
+  engine's [] between them is neither counted nor a reset), from an engine that has answered with
+  stats (one without enable_iter_perf_stats never does), are said once, naming it (a stale load
+  alone says nothing).
 - Requests: the client's own OpenAI request (openai_http.pass_through_body), or a token-id leg
   (refused with a `cache_salt`: its CompletionRequest has none; `detokenize: false`, without which
   trtllm-serve returns text and no token ids).
@@ -94,8 +96,8 @@ EVENTS_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
 EVENTS_HELD_SAY_S = 10.0  # a poll held this long is said once: the index lags the engine under load
 # /metrics without return_perf_metrics (get_stats_async(2)) answers 2 s after the last iteration:
 # under steady load, only once the load pauses. A read given up on loses the stats the engine
-# drained for it, so it is never given up (the health probe tells a dead engine); `load()` waits
-# LOAD_WAIT_S for it, `limits()` (a session's start) LIMITS_WAIT_S.
+# drained for it, so it is given up only with its engine (_forget_engine: the health probe tells a
+# dead engine); `load()` waits LOAD_WAIT_S for it, `limits()` (a session's start) LIMITS_WAIT_S.
 METRICS_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
 LOAD_WAIT_S = 2.5
 LIMITS_WAIT_S = 30.0
@@ -376,6 +378,9 @@ class TrtllmAdapter(HttpEngineAdapter):
             return None
         if self._metrics is task:
             self._metrics = None
+        if task.cancelled():  # by _forget_engine: the engine went down or restarted under the read
+            why = f"{self.base}/metrics: the engine went down or restarted during the read"
+            raise EngineError(503, "engine_unavailable", why)
         return task.result()
 
     async def _json(self, method: str, path: str, timeout: aiohttp.ClientTimeout = PROBE_TIMEOUT) -> Any:
@@ -470,7 +475,13 @@ class TrtllmAdapter(HttpEngineAdapter):
 
     def _forget_engine(self) -> None:
         """The engine may be another now (restarted, perhaps without enable_iter_perf_stats): its
-        limits, and whether it gives stats at all, are read anew."""
+        limits, and whether it gives stats at all, are read anew. The /metrics read in flight is
+        given up: its answer would be the gone engine's, and one hung with it (no FIN, no read
+        deadline) held every later limits() and load() until close()."""
+        task, self._metrics = self._metrics, None
+        if task is not None:
+            task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody reads its failure now
         self._limits = None
         self._stats_seen = False
         self._empty_reads = 0
