@@ -40,7 +40,7 @@ def test_events_normalise_through_the_parent_chain() -> None:
     norm.apply(batch.events)
     chain = block_hashes(list(range(1, 13)), 4)
     assert norm.canonical_hashes() == {chain[0], chain[1], *block_hashes(list(range(100, 104)), 4)}
-    assert tracker.kv_total_blocks == 512 and tracker.ignored == 1  # the `updated` event
+    assert tracker.ignored == 1  # the `updated` event
 
 
 def test_an_event_id_gap_resets_as_incomplete() -> None:
@@ -353,7 +353,7 @@ def test_sliding_window_layers_start_once_and_fold_only_the_largest_window() -> 
     (batch,) = folded(tracker, norm, load("kv_cache_events_vswa.json"))
     assert batch.reset and batch.complete and (tracker.restarts, tracker.gaps) == (0, 0)
     assert norm.canonical_hashes() == set(block_hashes(list(range(1, 9)), 4))
-    assert (tracker.window, tracker.kv_total_blocks, tracker.ignored) == (4096, 512, 2)
+    assert (tracker.window, tracker.ignored) == (4096, 2)
 
 
 def test_a_larger_window_seen_late_voids_what_was_folded() -> None:

@@ -190,7 +190,6 @@ class TrtllmEventTracker:
     malformed: int = 0
     unknown: UnknownEventTypes = field(default_factory=UnknownEventTypes)  # other types, by type
     block_size: int | None = None  # the worker's tokens per block (the adapter's limits)
-    kv_total_blocks: int | None = None
     window: int | None = None  # the largest attention window seen since the engine started
     ranks: set[int] = field(default_factory=set)  # attention data-parallel ranks seen (untagged: 0)
     _logged: set[str] = field(default_factory=set)
@@ -264,9 +263,7 @@ class TrtllmEventTracker:
 
     def _fold(self, kind: object, data: dict[str, Any], window: object, batch: EngineBatch) -> None:
         if kind == "created":
-            levels = data.get("num_blocks_per_cache_level")
-            if window in (None, self.window) and isinstance(levels, list) and levels and isinstance(levels[0], int):
-                self.kv_total_blocks = levels[0]
+            pass  # the engine's start (_step); its capacity is the limits' (/metrics maxNumBlocks)
         elif kind == "updated":
             self.ignored += 1
         elif not isinstance(kind, str):
