@@ -69,7 +69,8 @@ class Lease:
 
     `lost` is set once etcd says the lease is gone, or the keep-alive loop failed on a defect and
     the lease was revoked (then the owner must register anew); `state`
-    says where renewal stands. `revoke()` deletes the attached keys at once; it is safe to call twice.
+    says where renewal stands. `revoke()` deletes the attached keys at once; it is safe to call twice,
+    and tries again where a revoke failed (etcd may still hold the lease and its keys).
     """
 
     def __init__(
@@ -88,7 +89,9 @@ class Lease:
         self.outages = 0
         self._state = LeaseState.ALIVE
         self._stalled = False  # its state unknown was said as this process's stall, not etcd's silence
-        self._revoked = False  # etcd said so (state REVOKED is set as the revoke begins: once is enough)
+        # etcd revoked it or said it is gone: nothing left to revoke. State REVOKED is set as a revoke
+        # begins and LOST as a defect ends the keep-alive, each whether etcd still holds it or not.
+        self._gone = False
         self._renewed_at = time.monotonic()
         self._retry = RETRY_MIN_S
         self._hurry = 0.0  # a stream went unanswered: the next one's first answer is due this soon
@@ -129,7 +132,7 @@ class Lease:
                 failure = again
             if failure is not None:
                 self._say_unrevoked(said(failure))
-            self._mark_lost(f"its keep-alive failed: {exc!r}")
+            self._mark_lost(f"its keep-alive failed: {exc!r}", gone=failure is None)
 
     async def _renew(self) -> None:
         interval = renewal_interval(self.ttl)
@@ -227,8 +230,10 @@ class Lease:
         finally:
             call.cancel()
 
-    def _mark_lost(self, why: str) -> None:
+    def _mark_lost(self, why: str, *, gone: bool = True) -> None:
+        """`gone`: etcd's own word; not when its keep-alive failed on a defect and so did its revoke."""
         if not self.lost.is_set():
+            self._gone = gone
             self.lost_reason = why
             self._state = LeaseState.LOST
             log.warning("lease %s lost: %s", self.hex_id, why)
@@ -237,18 +242,19 @@ class Lease:
     async def revoke(self, timeout: float = 3.0) -> bool:
         """Whether the lease is gone (revoked now, or already revoked, lost or expired); False after
         a WARNING naming why etcd did not revoke it: its keys then stay until its TTL passes, and an
-        owner whose peers act on them says what that costs (router.service)."""
+        owner whose peers act on them says what that costs (router.service). A lease whose revoke
+        failed before (here, or as a defect ended its keep-alive) is revoked again: until a review of
+        2026-12-08 such a lease read as gone, etcd still holding it and its keys."""
         await self.stop_keep_alive()
-        if self._state is LeaseState.LOST:
+        if self._gone:
             return True
-        if self._state is LeaseState.REVOKED:
-            return self._revoked
         self._state = LeaseState.REVOKED
         failure = await self._revoke_renewing(timeout)
-        self._revoked = failure is None
-        if failure is not None:
+        # or revoke_now (a second SIGTERM) revoked it while this one waited on etcd
+        self._gone = self._gone or failure is None
+        if failure is not None and not self._gone:
             self._say_unrevoked(said(failure))
-        return self._revoked
+        return self._gone
 
     async def _revoke_renewing(self, timeout: float) -> BaseException | None:
         """_revoke, once more after renewing a refused token: keep-alives carry no token check, so
@@ -266,8 +272,10 @@ class Lease:
     def revoke_now(self, timeout: float = 1.0) -> None:
         """Revoke without the event loop, for a process about to exit at once (a second SIGTERM):
         one try on a blocking channel of its own, in a thread of its own, given up after `timeout`
-        (an etcd that is down or hung cannot hold the exit). Safe whatever the loop is doing."""
-        if self._state in (LeaseState.REVOKED, LeaseState.LOST):
+        (an etcd that is down or hung cannot hold the exit). Safe whatever the loop is doing: a
+        revoke() under way or failed before does not stand in its way (until a review of 2026-12-08 a
+        second SIGTERM during a stop's slow revoke revoked nothing, and said nothing)."""
+        if self._gone:
             return
         failure: list[BaseException] = []
         thread = threading.Thread(target=self._revoke_blocking, args=(timeout, failure), daemon=True)
@@ -277,7 +285,7 @@ class Lease:
             self._say_unrevoked(said(failure[0]) if failure else "no answer in time")
             return
         self._state = LeaseState.REVOKED
-        self._revoked = True
+        self._gone = True
         log.info("lease %s revoked", self.hex_id)
 
     def _revoke_blocking(self, timeout: float, failure: list[BaseException]) -> None:
@@ -302,9 +310,11 @@ class Lease:
 
     async def _revoke(self, timeout: float) -> BaseException | None:
         """None when etcd revoked it, or it had already expired; else what failed."""
-        assert self._client.lease is not None
+        service = self._client.lease
+        if service is None:  # a revoke tried again after Discovery.close()
+            return RuntimeError("the etcd client was closed")
         try:
-            await self._client.lease.revoke(self.id, timeout=timeout, max_attempts=2)
+            await service.revoke(self.id, timeout=timeout, max_attempts=2)
         except grpc.aio.AioRpcError as exc:
             return None if exc.code() == grpc.StatusCode.NOT_FOUND else exc
         except (EtcdError, TimeoutError) as exc:

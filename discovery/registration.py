@@ -33,7 +33,8 @@ does (KeyTaken naming the key, its holder and the holder's value). A shim claims
 (worker_shim.engine_claim). They go with the lease, and are created again with each new one.
 
 Loss: etcd's own answer (the lease expired or is unknown, e.g. the process stalled past its TTL or
-someone revoked it), or the keep-alive loop failing on a defect (the lease revoked first). Then the
+someone revoked it), or the keep-alive loop failing on a defect (the lease revoked first; where etcd
+did not revoke it, it is tried again as the lost lease is released, and by `stop()`). Then the
 owner hears `on_lost(old_id)`, a new lease is granted and the key created again (a new id, or the
 same `name`), retrying with backoff while etcd does not answer, and the owner hears
 `on_registered(new_id)`; `reg.id` is the new id from then on. Each try etcd fails meanwhile is

@@ -646,9 +646,45 @@ async def test_a_keep_alive_that_fails_with_its_revoke_waits_out_its_own_lease_a
     etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its revoke failing too, the old lease held the name until its TTL: registering anew found the
-    name under it and failed for good, blaming "another process" (final read of 2026-12-07)."""
+    name under it and failed for good, blaming "another process" (final read of 2026-12-07). Its
+    revokes all fail here: the lost lease's release revokes it again (review of 2026-12-08)."""
     from discovery.lease import Lease
 
+    real_stream, real_revoke = Lease._stream, Lease._revoke
+    failed: set[str] = set()
+    broken: list[int] = []
+
+    async def fails_once(self: Lease, interval: float) -> bool:
+        if "stream" not in failed:
+            failed.add("stream")
+            broken.append(self.id)
+            await asyncio.sleep(0.5)
+            raise RuntimeError("an unforeseen defect")
+        return await real_stream(self, interval)
+
+    async def revoke_fails(self: Lease, timeout: float) -> BaseException | None:
+        if self.id in broken:
+            return TimeoutError()
+        return await real_revoke(self, timeout)
+
+    monkeypatch.setattr(Lease, "_stream", fails_once)
+    monkeypatch.setattr(Lease, "_revoke", revoke_fails)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=3, name="gpu-07")
+        await reg.start()
+        assert reg.lease is not None
+        first = reg.lease.id
+        await _until(lambda: reg.registrations == 2 or reg.failed.is_set(), 10, "the name registered anew")
+        assert reg.state is RegistrationState.REGISTERED and reg.failure is None, reg.failure
+        assert reg.lease.id != first and await d.holder(reg.key) == reg.lease.id
+        assert await reg.stop()
+
+
+async def test_a_lost_lease_whose_revoke_failed_is_revoked_by_registering_anew(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its keep-alive's revoke failing once, the lost lease read as gone: its release before
+    registering anew tried nothing, and the name waited out the lease's TTL (review of 2026-12-08)."""
     real_stream, real_revoke = Lease._stream, Lease._revoke
     failed: set[str] = set()
 
@@ -668,14 +704,50 @@ async def test_a_keep_alive_that_fails_with_its_revoke_waits_out_its_own_lease_a
     monkeypatch.setattr(Lease, "_stream", fails_once)
     monkeypatch.setattr(Lease, "_revoke", revoke_fails_once)
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
-        reg = _worker_reg(d, ns, ttl=3, name="gpu-07")
+        reg = _worker_reg(d, ns, ttl=30, name="gpu-07")
         await reg.start()
         assert reg.lease is not None
         first = reg.lease.id
         await _until(lambda: reg.registrations == 2 or reg.failed.is_set(), 10, "the name registered anew")
-        assert reg.state is RegistrationState.REGISTERED and reg.failure is None, reg.failure
-        assert reg.lease.id != first and await d.holder(reg.key) == reg.lease.id
+        assert reg.state is RegistrationState.REGISTERED and reg.lease.id != first
+        assert await d.time_to_live(first) is None
+        assert "to expire" not in caplog.text  # not waited out
         assert await reg.stop()
+
+
+async def test_stop_says_a_lost_lease_etcd_did_not_revoke_is_not_gone(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost lease whose revoke failed read as gone: stop() said True (`revoked` too) while etcd held
+    it and its key until its TTL (review of 2026-12-08)."""
+    real_revoke = Lease._revoke
+    refusing = True
+
+    async def broken(self: Lease, interval: float) -> bool:
+        await asyncio.sleep(0.3)
+        raise RuntimeError("an unforeseen defect")
+
+    async def refused(self: Lease, timeout: float) -> BaseException | None:
+        return TimeoutError() if refusing else await real_revoke(self, timeout)
+
+    registering_anew = asyncio.Event()
+
+    async def on_lost(old: str) -> None:  # holds the supervisor after the lost lease's release
+        registering_anew.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(Lease, "_stream", broken)
+    monkeypatch.setattr(Lease, "_revoke", refused)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=30, on_lost=on_lost)
+        await reg.start()
+        lease = reg.lease
+        assert lease is not None
+        await asyncio.wait_for(registering_anew.wait(), timeout=5.0)
+        assert await reg.stop() is False and reg.revoked is False
+        assert await d.holder(subjects.worker_key(ns, lease.hex_id)) == lease.id
+        refusing = False
+        assert await lease.revoke() is True and await d.time_to_live(lease.id) is None
 
 
 @pytest.mark.parametrize("hook", ["on_answered", "on_failing"])
