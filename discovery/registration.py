@@ -255,15 +255,20 @@ class Registration:
                 await cancel_and_wait(task)
         if self._put_failures.tries:  # only then: before start() there is no id to make a key of
             self._put_failures.ended(self.key, "the registration stopped")
-        lease, self.lease = self.lease, None
-        self.revoked = lease is None or await self._discovery.release(lease)
+        # kept while it is revoked: a second SIGTERM's revoke_now() revokes it still, should etcd be
+        # slow (until a review of 2026-12-08 it found none, and neither did nor said anything)
+        lease = self.lease
+        try:
+            self.revoked = lease is None or await self._discovery.release(lease)
+        finally:
+            self.lease = None
         self._phase = RegistrationState.STOPPED
         steps.end()
         return self.revoked
 
     def revoke_now(self, timeout: float = 1.0) -> None:
         """Revoke the lease without the event loop, within about `timeout` (Lease.revoke_now): for a
-        process exiting at once, whose stop() will not run."""
+        process exiting at once, whose stop() will not run or not end (its revoke under way)."""
         if self.lease is not None:
             self.lease.revoke_now(timeout)
 

@@ -310,6 +310,7 @@ class RouterService:
         self._kvstate_nc: Client | None = None  # gap repair's kvstate requests and replies alone (_start)
         self._discovery: Discovery | None = None
         self._registration: Registration | None = None
+        self._deregistering: Registration | None = None  # the one stop() revokes, for revoke_now
         self._runner: web.AppRunner | None = None
         self._door: StartDoor | None = None  # the listener until the router's app takes it over
         self._connecting = ""  # what the start waits for, said by /ready and the start door's 503s
@@ -717,11 +718,14 @@ class RouterService:
         registration, self._registration = self._registration, None
         if registration is not None:
             failure: Exception | None = None
+            self._deregistering = registration
             with steps:
                 try:
                     await registration.stop()  # revokes the RouterInfo lease: peers forget our bookings
                 except Exception as exc:  # a bug: said with its traceback, and the rest of the stop goes on
                     failure = exc
+                finally:
+                    self._deregistering = None
             # read, not returned: a cancellation while its supervisor ended is raised after the revoke
             # went, and None is a revoke itself cut short (the cancellation raised at the end)
             revoked = False if failure is not None else registration.revoked
@@ -786,8 +790,9 @@ class RouterService:
         """For a process about to exit at once (a second SIGTERM: runtime.run_service's on_abort):
         revoke the RouterInfo lease within about a second, off the event loop, so that peers drop
         this router's bookings now rather than when its TTL runs out."""
-        if self._registration is not None:
-            self._registration.revoke_now()
+        registration = self._registration or self._deregistering  # a stop's revoke may be slow
+        if registration is not None:
+            registration.revoke_now()
 
     # --- registration ----------------------------------------------------------------------------
 

@@ -235,6 +235,7 @@ class WorkerShim:
         self.normaliser: Normaliser | None = None
         self.requests: RequestService | None = None
         self.registration: Registration | None = None
+        self._deregistering: Registration | None = None  # the one stop() revokes, for revoke_now
         self.sessions = 0
         self.session_failures = 0  # sessions ended by an error no rule expected (logged at ERROR)
         self.task_failures = dict.fromkeys(TASKS, 0)  # each logged at ERROR with its traceback
@@ -381,8 +382,9 @@ class WorkerShim:
         """For a process about to exit at once (a second SIGTERM: runtime.run_service's on_abort):
         revoke the worker's lease within about a second, off the event loop, so that its key goes
         now rather than when its TTL runs out."""
-        if self.registration is not None:
-            self.registration.revoke_now()
+        registration = self.registration or self._deregistering  # a stop's revoke may be slow
+        if registration is not None:
+            registration.revoke_now()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -1714,9 +1716,11 @@ class WorkerShim:
         registration, self.registration = self.registration, None
         if registration is not None:
             lease = registration.lease
+            self._deregistering = registration
             try:
                 await registration.stop()
             finally:  # revoked None: the revoke cut short by a cancellation
+                self._deregistering = None
                 if self._stopping.is_set() and lease is not None:
                     self._left = (registration.id, lease, registration.revoked)
         # after stop(): no try of the session's comes later

@@ -750,6 +750,35 @@ async def test_stop_says_a_lost_lease_etcd_did_not_revoke_is_not_gone(
         assert await lease.revoke() is True and await d.time_to_live(lease.id) is None
 
 
+async def test_revoke_now_revokes_a_lease_whose_stop_is_revoking_it(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second SIGTERM while stop() waited on a slow etcd's revoke revoked nothing and said nothing:
+    stop() had let go of the lease, and the lease took a revoke begun as done (review of 2026-12-08)."""
+    real_revoke = Lease._revoke
+    revoking, answer = asyncio.Event(), asyncio.Event()
+
+    async def slow(self: Lease, timeout: float) -> BaseException | None:  # a member slow to answer
+        revoking.set()
+        await answer.wait()
+        return await real_revoke(self, timeout)
+
+    monkeypatch.setattr(Lease, "_revoke", slow)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=30)
+        await reg.start()
+        assert reg.lease is not None
+        lease_id = reg.lease.id
+        stopping = asyncio.create_task(reg.stop())
+        await asyncio.wait_for(revoking.wait(), timeout=5.0)
+        try:
+            reg.revoke_now(1.0)  # on the loop's thread, as runtime.run_service's on_abort runs it
+            assert await d.time_to_live(lease_id) is None and await d.holder(reg.key) is None
+        finally:
+            answer.set()
+        assert await stopping is True
+
+
 @pytest.mark.parametrize("hook", ["on_answered", "on_failing"])
 async def test_a_synchronous_hook_that_raises_fails_the_registration_once(
     etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch, hook: str

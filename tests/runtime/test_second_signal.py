@@ -23,8 +23,10 @@ from engine_sim.server import SimServer
 from kvswitch.servers import free_port
 from protocol import subjects
 from protocol.config import EtcdSettings
+from router.service import RouterService
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
+from worker_shim.shim import WorkerShim
 
 STREAM = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 20_000, "ignore_eos": True, "stream": True}
 
@@ -122,3 +124,35 @@ async def test_an_etcd_that_does_not_answer_holds_the_exit_a_second_at_most(capl
             await client.close()
     assert took < 3.0, took  # 1 s and a thread's join; nowhere near the TTL
     assert "lease 1234: revoke failed" in caplog.text and lease.state is LeaseState.ALIVE
+
+
+@pytest.mark.parametrize("owner", ["router", "shim"])
+async def test_a_second_sigterm_while_the_stop_revokes_revokes_the_lease(
+    owner: str, cluster: Cluster, etcd_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second SIGTERM (revoke_now) while the stop waited on a slow etcd's revoke did nothing: the
+    owner had let go of its registration as its stop began (review of 2026-12-08)."""
+    real_revoke = Lease._revoke
+    revoking, answer = asyncio.Event(), asyncio.Event()
+
+    async def slow(self: Lease, timeout: float) -> BaseException | None:  # a member slow to answer
+        revoking.set()
+        await answer.wait()
+        return await real_revoke(self, timeout)
+
+    if owner == "router":
+        service: RouterService | WorkerShim = await cluster.add_router()
+        prefix = subjects.routers_prefix(cluster.ns)
+    else:
+        service = (await cluster.add_worker("agg")).shim
+        prefix = subjects.workers_prefix(cluster.ns)
+    assert len(await _keys(etcd_url, prefix)) == 1
+    monkeypatch.setattr(Lease, "_revoke", slow)
+    stopping = asyncio.create_task(service.stop())
+    await asyncio.wait_for(revoking.wait(), timeout=30.0)
+    try:
+        service.revoke_now()  # on the loop's thread, as runtime.run_service's on_abort runs it
+        assert await _keys(etcd_url, prefix) == []
+    finally:
+        answer.set()
+        await stopping
