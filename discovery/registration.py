@@ -45,7 +45,8 @@ as a full etcd refused it, each a multi-line gRPC error). Each try etcd answers 
 held by the lost lease (its revoke failed: waited out, a WARNING each) is told to
 `on_answered(KeyTaken)`: a shim's episode ends there (until a review of 2026-12-07 its /health said
 "registering with etcd fails for N s" for as long as the wait lasted, etcd answering all along).
-If a named key was taken meanwhile (`failure` is KeyTaken, naming the holder), or an owner's hook
+If a named key was taken meanwhile (`failure` is KeyTaken, naming the holder), etcd refused the TTL
+(its least now above `ttl`: `failure` is the ConfigError naming the setting), or an owner's hook
 raised, `failed` is set: the owner must act (stop, or start over with a new Registration). So it is
 when a keep-alive check finds the key or a claim held by another lease while ours lives: a live
 second owner of the name (etcd deletes a key with its lease), which took it once it was deleted by
@@ -86,7 +87,7 @@ from discovery.advice import advice
 from discovery.failed_tries import SAID_EVERY_S, FailedTries
 from discovery.lease import Lease, LeaseState
 from discovery.session import DEFAULT_TTL, Discovery, DiscoveryError, KeyTaken
-from protocol import encode_json
+from protocol import ConfigError, encode_json
 from runtime import StopSteps, Throttle, TickErrors, background, cancel_and_wait
 
 __all__ = ["PutTrouble", "Registration", "RegistrationState"]
@@ -188,7 +189,7 @@ class Registration:
         # None until then, or where that cancellation cut the revoke itself
         self.revoked: bool | None = None
         self.failed = asyncio.Event()
-        self.failure: DiscoveryError | None = None
+        self.failure: DiscoveryError | ConfigError | None = None
         self._phase = RegistrationState.NEW
         self._dirty = False
         self._wake = asyncio.Event()
@@ -468,6 +469,9 @@ class Registration:
                     return False
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, RETRY_MAX_S)
+            except ConfigError as exc:  # etcd's least TTL rose above ttl (Discovery.grant): no retry mends it
+                self._config_failed(old, exc)
+                return False
             except Exception as exc:  # the owner's before_create
                 self._hook_failed(old, exc)
                 return False
@@ -516,6 +520,13 @@ class Registration:
             self._hook_failed(rid, exc)
             return False
         return True
+
+    def _config_failed(self, rid: str, exc: ConfigError) -> None:
+        """A setting etcd now refuses: until a review of 2026-12-08 it was blamed on the owner's hook."""
+        log.error("registering %s again failed: %s", self._key(rid), exc)
+        self.failure = exc
+        self._phase = RegistrationState.FAILED
+        self.failed.set()
 
     def _hook_failed(self, rid: str, exc: Exception) -> None:
         log.error("the owner's hook for %s failed", self._key(rid), exc_info=exc)

@@ -14,7 +14,7 @@ import runtime
 from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
 from discovery.lease import MIN_LEASE_TTL, Lease
 from kvswitch.servers import EtcdServer
-from protocol import RouterInfo, WorkerInfo, decode_json, subjects
+from protocol import ConfigError, RouterInfo, WorkerInfo, decode_json, subjects
 from protocol.config import EtcdSettings
 from runtime import cancel_and_wait
 from tests.lost_cancellation import ends_within, never_answers
@@ -777,6 +777,30 @@ async def test_revoke_now_revokes_a_lease_whose_stop_is_revoking_it(
         finally:
             answer.set()
         assert await stopping is True
+
+
+async def test_a_ttl_etcd_refuses_while_registering_anew_fails_naming_the_setting(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd's least TTL risen above the owner's (its --election-timeout raised) while registering
+    anew: the grant's ConfigError was blamed on "the owner's hook" (review of 2026-12-08)."""
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=3)
+        await reg.start()
+        assert reg.lease is not None
+        refused = ConfigError("lease_ttl", 3, "etcd grants no lease under 5 s (its least TTL); give at least 5")
+
+        async def grant(self: Discovery, ttl: int = 10, *, setting: str | None = "lease_ttl") -> Lease:
+            raise refused
+
+        monkeypatch.setattr(Discovery, "grant", grant)
+        await d.revoke(reg.lease.id)
+        await _until(reg.failed.is_set, 10, "the registration failed")
+        assert reg.failure is refused and reg.state is RegistrationState.FAILED
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == [f"registering {reg.key} again failed: {refused}"]
+        monkeypatch.undo()
+        await reg.stop()
 
 
 @pytest.mark.parametrize("hook", ["on_answered", "on_failing"])
