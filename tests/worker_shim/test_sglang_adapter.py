@@ -688,6 +688,37 @@ def test_a_completion_count_past_the_ids_sent_loses_no_token_silently() -> None:
     assert folder.token_ids == [11, 12] and folder.usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize(
+    ("ids", "count", "said"),
+    [
+        ([11, 12, 13], 4, "rose from 2 to 4, but it has 3 output_ids, neither all 4 nor the 2 new"),
+        ([13, 14, 15], 4, "rose from 2 to 4, but it has 3 output_ids"),
+        ([12], 2, "stayed at 2, but it has 1 output_ids, neither all 2 nor the 0 new"),
+    ],
+    ids=["cumulative-short", "incremental-long", "same-count"],
+)
+def test_a_completion_count_that_matches_neither_stream_mode_sends_no_token_twice(
+    ids: list[int], count: int, said: str
+) -> None:
+    """After [11, 12] (2), [11, 12, 13] billed 4: until 2026-12-08 the folder sent [12, 13], token 12
+    twice, and billed 4. SGLang sends len(ids) == count (cumulative) or count - sent (incremental)."""
+    folder = StreamFolder()
+    assert folder.fold({"output_ids": [11, 12], "meta_info": {"completion_tokens": 2}}) == [11, 12]
+    with pytest.raises(EngineError) as caught:
+        folder.fold({"output_ids": ids, "meta_info": {"completion_tokens": count}})
+    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
+    assert said in caught.value.message
+    assert folder.token_ids == [11, 12] and folder.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("later", [[11, 12, 13, 14], [13, 14]], ids=["cumulative", "incremental"])
+def test_a_completion_count_that_matches_its_ids_folds_them(later: list[int]) -> None:
+    folder = StreamFolder()
+    assert folder.fold({"output_ids": [11, 12], "meta_info": {"completion_tokens": 2}}) == [11, 12]
+    assert folder.fold({"output_ids": later, "meta_info": {"completion_tokens": 4}}) == [13, 14]
+    assert folder.token_ids == [11, 12, 13, 14] and folder.usage.completion_tokens == 4
+
+
 # SGLang's TokenizerManager._handle_abort_req, for any request aborted in the waiting queue.
 ABORT_BEFORE_PREFILL = {
     "text": "",

@@ -495,7 +495,8 @@ class StreamFolder:
         if self._uncounted_abort(meta, ids):
             self.finish_reason = "abort"  # the count and usage folded so far stand
             return []
-        done = self._completion_tokens(meta) or len(ids)
+        count = self._completion_tokens(meta)
+        done = count or len(ids)
         prompt, cached = _meta_count(meta, "prompt_tokens"), _meta_count(meta, "cached_tokens")
         if done < self.sent:  # no count: len(output_ids) stood in, and the next event's ids would go again
             raise EngineError(
@@ -504,12 +505,16 @@ class StreamFolder:
                 f"a /generate event with no meta_info.completion_tokens has {len(ids)} output_ids, fewer "
                 f"than the {self.sent} tokens already folded",
             )
-        if done - self.sent > len(ids):  # the slice took every id, the rest lost while usage billed `done`
+        # SGLang sends every id so far (cumulative) or those past the last event (incremental); with
+        # any other number the slice lost ids or sent some twice while usage billed `done`.
+        if count is not None and len(ids) not in (done, done - self.sent):
+            went = f"rose from {self.sent} to {done}" if done > self.sent else f"stayed at {done}"
             raise EngineError(
                 502,
                 "engine_protocol",
-                f"a /generate event's meta_info.completion_tokens rose from {self.sent} to {done}, but it has only "
-                f"{len(ids)} output_ids",
+                f"a /generate event's meta_info.completion_tokens {went}, but it has "
+                f"{'only ' if len(ids) < done - self.sent else ''}{len(ids)} output_ids, neither all {done} nor "
+                f"the {done - self.sent} new",
             )
         new = list(ids[len(ids) - (done - self.sent) :]) if done > self.sent else []
         if not all(type(t) is int for t in new):
