@@ -27,8 +27,11 @@ since dropping it would freeze the worker's figures and read it as silent for as
 while it reports every second. That worker's stamps are moved forward by the step from then on (an
 offset per worker, so they keep to this router's timeline as before it): a booking made after the
 step is covered by the next report that counts it, where it counted twice, in the reports and as a
-booking, for as long as the step until 2026-12-08. A stamp the offset puts ahead of this router's
-clock (the worker's clock stepped forward again) takes as much off the offset, down to none.
+booking, for as long as the step until 2026-12-08. Where the offset puts a stamp ahead of this
+router's clock (the worker's clock set right again, a takeover's other publisher), it comes down to
+what keeps the stamp at the worker's newest, or to none: not to this router's clock, which would add
+that report's delivery time to every later stamp. So a moved stamp is never ahead of this router's
+clock nor past the newest stamp it must reach, erring toward counting a booking a little longer.
 
 Bookings are kept per router (None is this router), then per request_id, so what one router holds
 (`held`, `keys`, `confirm_all`: a peer's snapshots) costs its own bookings, not the fleet's. One
@@ -259,10 +262,13 @@ class LoadView:
         held = self._reports.get(report.worker)
         offset = held.offset if held is not None else 0.0
         ts = report.ts + offset
-        if not ts <= now + MAX_CLOCK_SKEW_S:  # also NaN
-            fits = report.ts <= now + MAX_CLOCK_SKEW_S  # as stamped: the offset is what puts it ahead
-            offset = max(0.0, now - report.ts) if fits else 0.0
-            ts = report.ts + offset if fits else now + MAX_CLOCK_SKEW_S
+        if held is not None and offset > 0 and ts > now:  # set right again, or the other publisher was behind
+            # Down to what keeps the stamp at the newest (or none), never past now: cut to now alone,
+            # it would keep the delivery delay, and a stamp past the report's making covers bookings it missed.
+            offset = max(0.0, min(offset, now - report.ts, held.report.ts - report.ts))
+            ts = report.ts + offset
+        if not ts <= now + MAX_CLOCK_SKEW_S:  # also NaN (the offset is 0 here otherwise)
+            offset, ts = 0.0, now + MAX_CLOCK_SKEW_S
         back = held.report.ts - ts if held is not None else 0.0
         if held is not None and 0 < back <= MAX_REORDER_S:
             self._reports[report.worker] = _Report(held.report, now, held.offset)

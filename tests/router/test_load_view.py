@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from protocol.messages import LoadReport, SyncBooking
@@ -128,6 +128,67 @@ def test_a_clock_that_steps_back_then_forward_again_sheds_its_offset(view: LoadV
     view.book("r", "w1", 100, 5)
     clock.now += 0.5
     view.update(report(ts=clock.now - 0.8))  # made before the booking
+    assert (view.load("w1").booked_requests, view.load("w1").prefill_tokens_queued) == (1, 100)
+
+
+def test_a_takeover_from_a_clock_behind_does_not_leave_an_offset_that_uncounts_a_booking(
+    view: LoadView, clock: Clock
+) -> None:
+    """A publisher 5 s behind took the worker's name for one report, then the one set right came
+    back with a report 0.8 s late. Until 2026-12-08 the offset was shed to the delivery delay and,
+    a stamp it put less than MAX_CLOCK_SKEW_S ahead of ours being kept, stayed for good: a report
+    made before a booking covered it (load audit)."""
+    view.update(report(ts=clock.now))
+    clock.now += 0.5
+    assert view.update(report(ts=clock.now - 5.0)) is not None  # the other publisher: a step back
+    clock.now += 0.5
+    made = clock.now
+    clock.now += 0.8
+    view.update(report(ts=made))  # arrives late
+    for _ in range(3):  # then prompt
+        clock.now += 1.0
+        view.update(report(ts=clock.now))
+    clock.now += 0.6
+    view.book("r", "w1", 100, 5)
+    clock.now += 0.01
+    view.update(report(ts=clock.now - 0.7))  # made 0.1 s before the booking
+    assert (view.load("w1").booked_requests, view.load("w1").prefill_tokens_queued) == (1, 100)
+
+
+def test_two_publishers_under_one_name_do_not_move_the_right_ones_stamps_ahead_of_ours(
+    view: LoadView, clock: Clock
+) -> None:
+    """A reporting 1 s apart with its clock right, B 0.9 s after it with its clock 2 s behind, each
+    report 0.2 s on the way; then A alone. Until 2026-12-08 B's report set an offset of 1.1 s that
+    put A's stamps 0.9 s ahead of ours for good (load audit)."""
+    clock.now = 1000.2
+    view.update(report(ts=1000.0))
+    clock.now = 1001.1
+    view.update(report(ts=1000.9 - 2.0))  # B: a step back
+    for k in range(1, 10):
+        clock.now = 1000.0 + k + 0.2
+        view.update(report(ts=1000.0 + k))
+        assert view._reports["w1"].report.ts <= clock.now
+    clock.now = 1009.3
+    view.book("r", "w1", 100, 5)
+    clock.now = 1010.2
+    view.update(report(ts=1009.25))  # made before the booking
+    assert (view.load("w1").booked_requests, view.load("w1").prefill_tokens_queued) == (1, 100)
+
+
+def test_a_slow_delivery_after_a_step_back_does_not_become_a_forward_shift(view: LoadView, clock: Clock) -> None:
+    """Set right again while every report takes 0.5 s to arrive: until 2026-12-08 the offset was shed
+    to now - stamp, the delay, and kept, so a booking made while a report was on the way was covered
+    by it."""
+    view.update(report(ts=clock.now))
+    view.update(report(ts=clock.now - 600.0))
+    for _ in range(3):
+        clock.now += 1.0
+        view.update(report(ts=clock.now - 0.5))
+    clock.now += 0.8
+    view.book("r", "w1", 100, 5)
+    clock.now += 0.2
+    view.update(report(ts=clock.now - 0.5))  # made 0.3 s before the booking
     assert (view.load("w1").booked_requests, view.load("w1").prefill_tokens_queued) == (1, 100)
 
 
@@ -450,10 +511,11 @@ class NaiveView:
                 b["done"] = self.clock.now
 
     def report(self, worker: str, ts: float) -> None:
-        """A stamp within MAX_CLOCK_SKEW_S of now: the offset comes off as far as it puts it past that."""
+        """A stamp within MAX_CLOCK_SKEW_S of now. The offset comes off where it puts the stamp ahead of
+        now: down to what keeps it at the newest stamp, and never leaves it ahead of now."""
         now, held, offset = self.clock.now, self.report_ts.get(worker), self.offsets.get(worker, 0.0)
-        if ts + offset > now + MAX_CLOCK_SKEW_S:
-            offset = max(0.0, now - ts)
+        if held is not None and ts + offset > now:
+            offset = max(0.0, min(offset, now - ts, held - ts))
         if held is not None and held - (ts + offset) > MAX_REORDER_S:
             offset = held - ts  # a step back: read as stamped with the newest stamp
         if held is None or ts + offset >= held:
@@ -514,6 +576,9 @@ LV_OPS = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(ops=LV_OPS)
+# a step back by 3 s, then a report 1 s ahead of the moved stamps, not 1 s past now: the offset goes
+@example(ops=[("tick", 2), ("report", "w1", 0), ("report", "w1", -3), ("tick", 2),
+              ("book", None, "r1", "w1", 5, 1), ("tick", 1), ("report", "w1", -2)])  # fmt: skip
 def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> None:
     clock = Clock(0.0)
     view, ref = LoadView(clock=clock), NaiveView(clock)
