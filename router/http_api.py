@@ -45,9 +45,9 @@ clients read is a 503 with Retry-After, one larger than it a 400 saying what the
 Draining (`Drain`, on SIGTERM): the listener stays open while the requests in flight finish; a new
 request (anything but /health, /ping, /ready and /metrics) is a 503 with Retry-After and Connection:
 close. Those still running when the drain ends are cut: a stream gets a final 503 error event and
-`[DONE]`, any other request a 503, and their legs are cancelled on the workers. One cut while its
-last bytes wait for its client (its head went out, so no 503 can follow) has its connection
-aborted, counted 503.
+`[DONE]`, any other request a 503, and their legs are cancelled on the workers. One cut while a
+write waits for its client, its last or one before it (its head went out, so no 503 can follow,
+and its error event would wait behind that write), has its connection aborted, counted 503.
 """
 
 from __future__ import annotations
@@ -301,6 +301,7 @@ class Drain:
         self.draining = False
         self._running: set[asyncio.Task[Any]] = set()
         self._cut: set[asyncio.Task[Any]] = set()
+        self._ended: set[asyncio.Task[Any]] = set()  # cut, their cut taken (ended())
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -324,13 +325,18 @@ class Drain:
 
     def ended(self) -> bool:
         """In a handler's `except CancelledError`: True when the drain cut it, which then goes on to
-        answer (its cancellation undone); False when its client left."""
+        answer (its cancellation undone); False when its client left. True again for the cut raised
+        again with no new cancel pending, by a future the cut cancelled and its owner kept: aiohttp's
+        write awaits its drain waiter, so a write after one cut mid-write raises the cut at once."""
         task = asyncio.current_task()
-        if task is None or task not in self._cut:
+        if task is None:
             return False
-        self._cut.discard(task)
-        task.uncancel()
-        return True
+        if task in self._cut:
+            self._cut.discard(task)
+            self._ended.add(task)
+            task.uncancel()
+            return True
+        return task in self._ended and not task.cancelling()
 
     @staticmethod
     def refusal() -> web.Response:
@@ -343,6 +349,7 @@ class Drain:
 
     def leave(self, task: asyncio.Task[Any]) -> None:
         self._running.discard(task)
+        self._ended.discard(task)
         if not self._running:
             self._idle.set()
 
@@ -829,8 +836,9 @@ class _Handlers:
         except asyncio.CancelledError:
             if not self.drain.ended():
                 raise
-            # Cut in its last write or its chunks' close, where no error event can follow: its head
-            # went out, so no 503 can either (before, aiohttp wrote one as a second head).
+            # Cut in its last write or its chunks' close, or in a write before whose bytes its last
+            # waits behind (that write raises the cut again), where no error event can follow: its
+            # head went out, so no 503 can either (before, aiohttp wrote one as a second head).
             _abort(request)
             return resp, 503, SHUT_DOWN
         return resp, status, why

@@ -208,3 +208,48 @@ async def test_debug_route_cut_while_it_reads_its_body_gets_the_drains_503() -> 
     head, _, body = got.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503 ") and b"Connection: close" in head, got
     assert json.loads(body)["error"]["message"] == SHUT_DOWN
+
+
+class _Stalled(_Path):
+    """Its worker's second chunk is more than a client that reads no more takes: the handler waits in
+    that write (`writing`), not its stream's last, and the worker sends nothing after it."""
+
+    def __init__(self, chunks: list[ResponseChunk]) -> None:
+        super().__init__(chunks)
+        self.writing = False
+
+    async def stream(self, job: Any, arrived: float) -> AsyncIterator[ResponseChunk]:
+        try:
+            yield self._chunks[0]
+            self.writing = True  # the handler takes the next chunk straight into its write
+            yield self._chunks[1]
+            await asyncio.Event().wait()
+        finally:
+            self.streamed = True
+
+
+def _stalling_chunks() -> list[ResponseChunk]:
+    big = b'"' + b"y" * (1 << 20) + b'"'  # over what the transport and the kernel hold for its client
+    return [
+        ResponseChunk(request_id="r1", seq=0, events=[b'{"n":0}']),
+        ResponseChunk(request_id="r1", seq=1, events=[big]),
+    ]
+
+
+async def test_a_stream_cut_in_a_write_before_its_last_is_aborted_and_counted_503() -> None:
+    """Cut in a mid-stream write, its error event and [DONE] then wait behind that write's bytes. The
+    cut was taken there, but the last write raised it again at once (aiohttp awaits the drain waiter
+    the cut cancelled), where it read as its client leaving: counted 499. It is the drain's now: its
+    connection aborted, counted 503, as one cut in its last write."""
+    path, drain = _Stalled(_stalling_chunks()), Drain()
+    async with _front_door(path, drain) as port:
+        sock = await _post(port, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "stream": True})
+        try:
+            await until(lambda: path.writing, 10, "the stream's second write")
+            assert await asyncio.wait_for(drain.finish(0.1), 10) == (0, 1)
+            got = await _read_to_end(sock)
+        finally:
+            sock.close()
+    assert got.startswith(b"HTTP/1.1 200 ") and got.count(b"HTTP/1.1 ") == 1, got[:300]
+    assert SHUT_DOWN.encode() not in got and b"[DONE]" not in got
+    assert (path.counted(503), path.counted(499), path.counted(200)) == (1, 0, 0)
