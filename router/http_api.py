@@ -865,10 +865,13 @@ class _Handlers:
                 if chunk.final:
                     break
                 if out:
-                    if not await _sent(request, b"".join(out), resp.write, job.deadline):
+                    # Queued as its write starts, before it waits for the client: a cut in that wait
+                    # must not write them again before its error event.
+                    data = b"".join(out)
+                    out.clear()
+                    if not await _sent(request, data, resp.write, job.deadline):
                         unread = True
                         break
-                    out.clear()
                 chunk = await anext(chunks)
         except LegError as exc:
             failed = leg_error(exc, streaming=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -253,3 +254,55 @@ async def test_a_stream_cut_in_a_write_before_its_last_is_aborted_and_counted_50
     assert got.startswith(b"HTTP/1.1 200 ") and got.count(b"HTTP/1.1 ") == 1, got[:300]
     assert SHUT_DOWN.encode() not in got and b"[DONE]" not in got
     assert (path.counted(503), path.counted(499), path.counted(200)) == (1, 0, 0)
+
+
+class _StalledClosing(_Stalled):
+    """_Stalled, its chunks' close held until `closed` is set: its client can read what was queued."""
+
+    def __init__(self, chunks: list[ResponseChunk]) -> None:
+        super().__init__(chunks)
+        self.closed = asyncio.Event()
+
+    async def stream(self, job: Any, arrived: float) -> AsyncIterator[ResponseChunk]:
+        try:
+            async for chunk in super().stream(job, arrived):
+                yield chunk
+        finally:
+            await self.closed.wait()
+
+
+async def _read_until(sock: socket.socket, end: bytes) -> bytes:
+    """What the client gets until it has `end` (its stream's last bytes)."""
+    loop = asyncio.get_running_loop()
+    got = b""
+    async with asyncio.timeout(10):
+        while end not in got:
+            part = await loop.sock_recv(sock, 1 << 16)
+            assert part, got[-300:]
+            got += part
+    return got
+
+
+async def test_a_stream_cut_in_a_write_before_its_last_sends_that_writes_events_once() -> None:
+    """Its write had queued its events when the cut took it, waiting for its client. They were kept to
+    go out again with the error event: a client that read on got them twice. It gets them once now,
+    then the drain's error event and [DONE]."""
+    chunks = _stalling_chunks()
+    big = chunks[1].events[0]
+    path, drain = _StalledClosing(chunks), Drain()
+    async with _front_door(path, drain) as port:
+        sock = await _post(port, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "stream": True})
+        try:
+            await until(lambda: path.writing, 10, "the stream's second write")
+            finishing = asyncio.create_task(drain.finish(0.1))
+            await until(lambda: path.streamed, 10, "the cut stream's close")
+            got = await _read_until(sock, big + b"\n\n")  # all it queued: its writes go on
+            path.closed.set()
+            got += await _read_until(sock, b"\r\n0\r\n\r\n")
+            assert await asyncio.wait_for(finishing, 10) == (0, 1)
+        finally:
+            sock.close()
+    assert got.count(big) == 1
+    events = re.findall(rb"data: ([^\n]*)\n\n", got)
+    assert json.loads(events[-2])["error"]["message"] == SHUT_DOWN and events[-1] == b"[DONE]"
+    assert (path.counted(503), path.counted(200)) == (1, 0)
