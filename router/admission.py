@@ -1,10 +1,9 @@
 """Admission: requests wait at the router, by priority then first come first served per model, while
 no worker has room.
 
-A request is taken at once when nobody waits for its model or a name sharing its workers, and the
-planner finds a worker with room (its predicted prefill backlog under half the TTFT SLO:
-router.planner); the plan it gets is booked in the same synchronous step, so the next request sees
-it. Otherwise it queues. Each model
+A request is taken at once when nobody waits for its model and the planner finds a worker with
+room (its predicted prefill backlog under half the TTFT SLO: router.planner); the plan it gets is
+booked in the same synchronous step, so the next request sees it. Otherwise it queues. Each model
 (the name a request resolved to: a model, one of its other names, a LoRA adapter) has its own
 line, so one model's overload never holds another's requests: its waiters are served in vLLM's
 `priority` order (lower first; the request's X-Vllm-Priority over its body's, as vLLM reads them:
@@ -12,9 +11,8 @@ the order a `--scheduling-policy priority` engine serves them in), arrival order
 capacity frees: `notify()` (a load report arrived, a request ended, a worker appeared
 or left, and every `REOFFER_S` while any line waits) offers each line's head waiter to the
 planner, again and again while plans come back, one per line in turn, the most urgent head first,
-then the oldest (names that share workers take what frees in that order, as one queue would: a
-newcomer queues behind them, and a head waiting out its quiet time, below, holds back the later
-heads of its group until its offer). A waiter keeps its request context, so nothing is hashed twice.
+then the oldest (names that share workers take what frees in that order, as one queue would). A waiter keeps
+its request context, so nothing is hashed twice.
 
 An offer that finds no room costs a whole plan, and a plan visits every worker (about 10 ms at
 1,000 workers). While requests wait, every load report would offer the head again: tens of
@@ -44,7 +42,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -114,7 +112,6 @@ class _Line:
     """One model's waiters, the next to serve first, and the pacing of the offers to them."""
 
     model: str
-    group: str  # the base model: lines of one group share workers (RequestContext.base_model)
     waiters: deque[_Waiter] = field(default_factory=deque)
     quiet_until: float = -math.inf  # no offer to these waiters before this (the clock's time)
     deferred: asyncio.TimerHandle | None = None  # the offer at the quiet time's end
@@ -155,7 +152,6 @@ class Admission:
         self._cpu_clock = cpu_clock
         self._reoffer_s = reoffer_s
         self._lines: dict[str, _Line] = {}  # the models with waiters, and only those
-        self._groups: Counter[str] = Counter()  # lines per group (_Line.group)
         self._nudge: asyncio.TimerHandle | None = None  # the next notify() every REOFFER_S while lines wait
         self._rates: dict[str, Throughput] = {}  # each model's completions
         self._rates_pruned_at = KEPT_RATES  # more rates than this: drop the idle ones
@@ -204,9 +200,9 @@ class Admission:
     async def admit(self, ctx: RequestContext, take: Callable[[RequestContext], RoutePlan | None]) -> RoutePlan:
         """A booked plan for `ctx`; Overloaded when its model's line is full or the wait too long.
         `take(ctx)` plans and books when a worker has room, else returns None (router.planner)."""
-        model, group = ctx.model, ctx.base_model or ctx.model
+        model = ctx.model
         line = self._lines.get(model)
-        if not self._groups[group]:  # else it would pass the waiters of a name sharing its workers
+        if line is None:
             plan = take(ctx)
             if plan is not None:
                 return plan
@@ -225,8 +221,7 @@ class Admission:
             line.waiters.pop()  # type: ignore[union-attr]
             last.future.set_exception(full)
         if line is None:
-            line = self._lines[model] = _Line(model, group)
-            self._groups[group] += 1
+            line = self._lines[model] = _Line(model)
             if self._nudge is None:
                 self._nudge = asyncio.get_running_loop().call_later(self._reoffer_s, self._nudge_all)
         _enqueue(line.waiters, waiter)
@@ -260,25 +255,12 @@ class Admission:
         room, leave one offer for its end instead."""
         if not self._lines:  # every load report calls this
             return
-        self._serve(list(self._lines.values()))
-
-    def _serve(self, lines: list[_Line]) -> None:
-        """Offer `lines`' heads in turn while plans come back. The most urgent head first, then the
-        oldest: names that share workers (a model, its aliases, its adapters) take the capacity that
-        frees in that order, as one queue would; so a head inside its quiet time, its offer put off,
-        holds back the later heads of its group until that offer."""
-        held: set[str] = set()  # groups whose head waits out its quiet time
+        lines = list(self._lines.values())
         while lines:
+            # The most urgent head first, then the oldest: names that share workers (a model, its
+            # aliases, its adapters) take the capacity that frees in that order, as one queue would.
             lines.sort(key=lambda line: line.waiters[0].order if line.waiters else (-math.inf, -1))
-            answered = []
-            for line in lines:
-                if line.group in held:
-                    continue
-                if self._offer(line):
-                    answered.append(line)
-                elif line.deferred is not None and self._lines.get(line.model) is line:
-                    held.add(line.group)
-            lines = answered
+            lines = [line for line in lines if self._offer(line)]
 
     def _offer(self, line: _Line) -> bool:
         """Offer the line's head waiter a plan; True when one was answered and another waits."""
@@ -321,9 +303,6 @@ class Admission:
     def _close(self, line: _Line) -> None:
         if self._lines.get(line.model) is line:
             del self._lines[line.model]
-            self._groups[line.group] -= 1
-            if not self._groups[line.group]:
-                del self._groups[line.group]
         if line.deferred is not None:
             line.deferred.cancel()
             line.deferred = None
@@ -339,5 +318,6 @@ class Admission:
     def _offer_deferred(self, line: _Line) -> None:
         line.deferred = None
         line.quiet_until = -math.inf  # this is the offer the quiet time kept back
-        if self._lines.get(line.model) is line:  # and the later heads of its group it held back
-            self._serve([other for other in self._lines.values() if other.group == line.group])
+        if self._lines.get(line.model) is line:
+            while self._offer(line):
+                pass

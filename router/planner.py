@@ -204,7 +204,6 @@ class Planner:
             max_tokens=max_tokens,
             text=text,
             shape=shape,
-            base_model=base,
         )
 
     # --- 2. candidates -------------------------------------------------------------------------

@@ -156,9 +156,6 @@ class RequestContext:
     text: bool = False  # the prompt came as text: only workers sharing the router's tokenizer
     shape: RequestShape = field(default_factory=RequestShape)
     excluded: list[dict[str, Any]] = field(default_factory=list)  # workers left out, and why
-    # the model `model` names (WorkerInfo.model): a model, its aliases and its adapters share it,
-    # and their workers (router.admission); empty: `model` itself
-    base_model: str = ""
     isl: int = field(init=False)  # prompt tokens; a field, as it is read for every candidate
 
     def __post_init__(self) -> None:

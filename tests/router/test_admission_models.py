@@ -13,18 +13,13 @@ from router.request_context import RequestContext
 from tests.router.builders import ctx
 from tests.router.polling import until
 from tests.router.test_admission import Clock, Fleet, admission
+from tests.router.test_planner import Fleet as PlannedFleet
+from tests.router.test_planner import winfo
 
 
 def req(model: str, i: int) -> RequestContext:
     c = ctx(16, request_id=f"{model}{i}")
     c.model = model
-    return c
-
-
-def shared(model: str, base: str, i: int) -> RequestContext:
-    """A request for `model`, a name served by `base`'s workers (an alias or an adapter of it)."""
-    c = req(model, i)
-    c.base_model = base
     return c
 
 
@@ -135,76 +130,18 @@ async def test_names_that_share_workers_take_freed_capacity_in_arrival_order() -
     assert fleet.taken == ["base0", "lora0", "base1", "lora1", "base2", "lora2"]
 
 
-async def test_a_newcomer_of_a_name_sharing_workers_queues_behind_a_head_in_its_quiet_time() -> None:
-    """A slot that frees while base's head waits out the quiet time after an offer is base0's: lora0,
-    arriving after it, was planned at once and took it (its name had no line; audit of the fast path)."""
-    clock, fleet = Clock(), Fleet(room=0)
-
-    def slow_take(c: RequestContext) -> RoutePlan | None:
-        clock.now += 0.01  # 10 ms of planning: base's next offer no sooner than 100 ms later
-        return fleet.take(c)
-
-    adm = admission(fleet, max_queue=10, clock=clock)
-    base0 = asyncio.create_task(adm.admit(shared("base", "base", 0), slow_take))
+async def test_an_adapter_whose_workers_are_full_holds_none_of_its_base_models_requests() -> None:
+    """The adapter's line waits for d1; its base model has room on d2 and is planned at once. Lines
+    grouped by base model (2026-12-08, reverted) queued it behind the adapter's waiter, to a 429."""
+    f = PlannedFleet(winfo("d1", adapters=["sql"]), winfo("d2"))
+    f.report("d1", prefill_tokens_queued=200_000)
+    adm = Admission(max_wait_s=lambda: 5.0, max_queue=lambda: None, on_abandon=lambda plan: None)
+    lora = asyncio.create_task(adm.admit(f.planner.context("a", "sql", list(range(64))), f.planner.take))
     await asyncio.sleep(0)
-    adm.notify()  # no room: base's line is quiet
-    fleet.room = 1  # a request ends: its notify leaves base0's offer to the quiet time's end
-    adm.notify()
-    lora0 = asyncio.create_task(adm.admit(shared("lora", "base", 0), fleet.take))
-    other = await asyncio.wait_for(adm.admit(shared("other", "other", 0), Fleet(room=1).take), 0.1)
-    assert other.key == "other0#1"  # another model's workers: taken at once as ever
-    adm.notify()  # a load report inside the quiet time
-    assert fleet.taken == [] and adm.depth == 2
-    assert (await asyncio.wait_for(base0, 1.0)).key == "base0#1"
-    assert fleet.taken == ["base0"] and not lora0.done()
-    fleet.room = 1
-    adm.notify()
-    assert (await asyncio.wait_for(lora0, 0.1)).key == "lora0#1"
-
-
-async def test_a_head_in_its_quiet_time_holds_back_the_later_heads_that_share_its_workers() -> None:
-    clock, fleet = Clock(), Fleet(room=0)
-
-    def slow_take(c: RequestContext) -> RoutePlan | None:
-        clock.now += 0.01
-        return fleet.take(c)
-
-    adm = admission(fleet, max_queue=10, clock=clock)
-    base0 = asyncio.create_task(adm.admit(shared("base", "base", 0), slow_take))
-    await asyncio.sleep(0)
-    lora0 = asyncio.create_task(adm.admit(shared("lora", "base", 0), fleet.take))
-    await asyncio.sleep(0)
-    adm.notify()  # neither finds room; base's line is quiet, lora's (no planning time) not
-    fleet.room = 1
-    adm.notify()  # lora0 is not offered before base0's put-off offer
-    assert fleet.taken == []
-    assert (await asyncio.wait_for(base0, 1.0)).key == "base0#1"
-    fleet.room = 1
-    adm.notify()
-    assert (await asyncio.wait_for(lora0, 0.1)).key == "lora0#1"
-
-
-async def test_a_quiet_head_that_finds_no_room_at_its_offer_lets_its_group_be_offered() -> None:
-    """An adapter runs on some of its model's workers: its head finding them full at the offer
-    the quiet time put off holds base's waiters back no longer."""
-    clock, fleet = Clock(), Fleet(room=0)
-
-    def adapter_full(c: RequestContext) -> RoutePlan | None:
-        clock.now += 0.01
-        return None
-
-    adm = admission(fleet, max_queue=10, clock=clock)
-    lora0 = asyncio.create_task(adm.admit(shared("lora", "base", 0), adapter_full))
-    await asyncio.sleep(0)
-    base0 = asyncio.create_task(adm.admit(shared("base", "base", 0), fleet.take))
-    await asyncio.sleep(0)
-    adm.notify()  # lora's line is quiet
-    fleet.room = 1
-    adm.notify()  # base0 held back until lora0's offer...
-    assert fleet.taken == []
-    assert (await asyncio.wait_for(base0, 1.0)).key == "base0#1"  # ... which finds no room: base0's turn
-    assert not lora0.done()
-    await _cancel([lora0], adm)
+    assert adm.depth == 1
+    plan = await asyncio.wait_for(adm.admit(f.ctx(list(range(64, 128)), "b"), f.planner.take), 0.1)
+    assert plan.decode.worker == "d2" and adm.depth == 1
+    await _cancel([lora], adm)
 
 
 @pytest.mark.parametrize("names", [1, 16])

@@ -219,13 +219,6 @@ def test_a_utility_call_never_moves_its_models_block_size() -> None:
     assert f.ctx(list(range(64))).block_size == 16
 
 
-def test_a_model_its_aliases_and_its_adapters_name_one_base_model() -> None:
-    # admission queues the names that share workers as one (router.admission)
-    f = Fleet(winfo("d1", adapters=["sql"], aliases=["m-latest"]), winfo("q1", model="other"))
-    named = {name: f.planner.context("r", name, [1, 2, 3]).base_model for name in (MODEL, "sql", "m-latest", "other")}
-    assert named == {MODEL: MODEL, "sql": MODEL, "m-latest": MODEL, "other": "other"}
-
-
 def test_a_name_that_is_a_model_and_an_adapter_names_the_model() -> None:
     f = Fleet(winfo("d1"), winfo("q1", model="base-2", adapters=[MODEL]))
     ctx = f.ctx(list(range(64)))
