@@ -499,30 +499,13 @@ class Planner:
             self.disagg.record(plan.outcome)
             self._reached(ctx, held, ctx.cached_tokens(plan.decode), plan)
         else:
-            pools = ctx.decode_pool, ctx.prefill_pool
             prefill_full = self._keep_room(ctx)
             if not ctx.decode_pool:
                 return None  # room to decode, but no decode worker the policy lets prefill it
-            try:
-                plan = self._choose(ctx, prefill_full, failing)
-            except PlanError:
-                if self._serves_once_room_frees(ctx, pools, failing):
-                    return None
-                raise
+            plan = self._choose(ctx, prefill_full, failing)
             self._reached(ctx, held, _longest(ctx), plan)
         self.disagg.admitted(plan)
         return self._book(ctx, plan)
-
-    def _serves_once_room_frees(
-        self, ctx: RequestContext, pools: tuple[list[Candidate], list[Candidate]], failing: Sequence[Candidate]
-    ) -> bool:
-        """No plan serves the request on the workers with room, but one would over `pools` (both pools
-        before `_keep_room`): a decode worker left out for room (one that prefills locally) serves it
-        once it frees, so the request waits at admission, as explain() says, rather than a 503."""
-        if len(ctx.decode_pool) == len(pools[0]):
-            return False  # none was left out for room: waiting frees nothing that serves it
-        ctx.decode_pool, ctx.prefill_pool = pools
-        return self.disagg.plan(ctx, prefill_failing=failing) is not None
 
     def _reached(self, ctx: RequestContext, held: int, with_room: int, plan: RoutePlan) -> None:
         r = self.reach

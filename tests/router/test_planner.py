@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ import pytest
 
 from protocol import block_hashes
 from protocol.messages import ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE, LoadReport, Role, Stored, WorkerInfo
+from router.admission import Admission
 from router.block_index import BlockIndex
 from router.disagg import RoutePlan
 from router.eligibility import Exclusion, WorkerStatus
@@ -404,36 +406,23 @@ def test_no_room_on_any_decode_worker_returns_none() -> None:
     assert f.planner.take(f.ctx(list(range(64)))) is not None
 
 
-def test_a_request_only_a_full_decode_worker_serves_waits_for_it_rather_than_a_503() -> None:
-    # s1 (SGLang, no local prefill) has room but no SGLang prefill worker is up; d1 (vLLM,
-    # prefills locally) serves the request but is full: it waits for d1, as /debug/route says.
-    f = Fleet(winfo("s1", engine="sglang", local_prefill=False), winfo("d1"))
-    f.report("d1", prefill_tokens_queued=200_000)
-    info = f.planner.explain(f.ctx(list(range(64)), "dbg"))
-    assert (info["admissible"], info["waits"], info["decode_worker"]) == (True, True, "d1")
-    assert f.planner.take(f.ctx(list(range(64)))) is None
-    assert f.view.bookings("s1") == f.view.bookings("d1") == 0 and not f.planner.disagg.counts
-    f.report("d1", prefill_tokens_queued=0)
-    plan = f.planner.take(f.ctx(list(range(64)), "r2"))
-    assert plan is not None and plan.decode.worker == "d1"
-
-
-def test_a_request_no_transfer_handle_serves_waits_for_a_full_worker_that_prefills_locally() -> None:
-    # s1 and sp1, an SGLang P/D pair with room, cannot serve n=2; d1 (vLLM) can, once it frees
+async def test_a_request_only_a_full_decode_worker_serves_holds_up_no_other_request() -> None:
+    # s1 and sp1, an SGLang P/D pair with room, cannot serve n=2; only d1 (vLLM, full) could. The
+    # n=2 request is refused at once: waiting at the head of the model's line (2026-12-08,
+    # reverted) kept every request the pair could serve waiting behind it, to a 429.
     f = Fleet(winfo("s1", engine="sglang", local_prefill=False), winfo("sp1", "prefill", engine="sglang"), winfo("d1"))
     f.report("d1", prefill_tokens_queued=200_000)
-    shape = RequestShape(sequences=2)
-    info = f.planner.explain(f.planner.context("dbg", MODEL, list(range(64)), shape=shape))
-    assert (info["waits"], info["decode_worker"]) == (True, "d1")
-    assert f.planner.take(f.planner.context("r", MODEL, list(range(64)), shape=shape)) is None
-    f.report("d1", prefill_tokens_queued=0)
-    plan = f.planner.take(f.planner.context("r2", MODEL, list(range(64)), shape=shape))
-    assert plan is not None and (plan.decode.worker, plan.path) == ("d1", Path.AGG)  # no vLLM prefill worker
+    adm = Admission(max_wait_s=lambda: 5.0, max_queue=lambda: None, on_abandon=lambda plan: None)
+    wide = f.planner.context("a", MODEL, list(range(64)), shape=RequestShape(sequences=2))
+    with pytest.raises(PlanError) as caught:
+        await asyncio.wait_for(adm.admit(wide, f.planner.take), 0.1)
+    assert caught.value.code == 503 and adm.depth == 0
+    plan = await asyncio.wait_for(adm.admit(f.ctx(list(range(64, 128)), "b"), f.planner.take), 0.1)
+    assert (plan.decode.worker, plan.path) == ("s1", Path.REMOTE)
 
 
-def test_a_request_no_worker_would_serve_even_with_room_is_still_a_503() -> None:
-    # s1 has room, s2 is full; neither prefills locally and no SGLang prefill worker is up:
-    # waiting for s2 frees nothing that serves it
+def test_a_request_no_worker_would_serve_even_with_room_is_a_503() -> None:
+    # s1 has room, s2 is full; neither prefills locally and no SGLang prefill worker is up
     f = Fleet(winfo("s1", engine="sglang", local_prefill=False), winfo("s2", engine="sglang", local_prefill=False))
     f.report("s2", prefill_tokens_queued=200_000)
     with pytest.raises(PlanError) as caught:
