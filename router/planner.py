@@ -499,10 +499,11 @@ class Planner:
             self.disagg.record(plan.outcome)
             self._reached(ctx, held, ctx.cached_tokens(plan.decode), plan)
         else:
+            pools = ctx.decode_pool, [*ctx.prefill_pool, *failing]
             prefill_full = self._keep_room(ctx)
             if not ctx.decode_pool:
                 return None  # room to decode, but no decode worker the policy lets prefill it
-            plan = self._choose(ctx, prefill_full, failing)
+            plan = self._choose(ctx, prefill_full, failing, before_room=pools)
             self._reached(ctx, held, _longest(ctx), plan)
         self.disagg.admitted(plan)
         return self._book(ctx, plan)
@@ -542,11 +543,18 @@ class Planner:
         return self._book(ctx, plan)
 
     def _choose(
-        self, ctx: RequestContext, prefill_full: Sequence[Candidate] = (), prefill_failing: Sequence[Candidate] = ()
+        self,
+        ctx: RequestContext,
+        prefill_full: Sequence[Candidate] = (),
+        prefill_failing: Sequence[Candidate] = (),
+        *,
+        before_room: tuple[Sequence[Candidate], Sequence[Candidate]] = ((), ()),
     ) -> RoutePlan:
+        """`before_room`: both pools before `_keep_room` narrowed them; the 503 says whether a
+        decode worker it left out for room would serve the request."""
         plan = self.disagg.plan(ctx, prefill_full=prefill_full, prefill_failing=prefill_failing)
         if plan is None:
-            raise _no_remote_prefill(ctx)
+            raise _no_remote_prefill(ctx, *before_room)
         self.disagg.chosen(plan)
         if (
             plan.outcome in _UNPAIRED
@@ -584,9 +592,12 @@ class Planner:
         admissible = self.admissible(ctx)
         plan = None
         if admissible:
+            decode, prefill = ctx.decode_pool, [*ctx.prefill_pool, *failing]
             prefill_full = self._keep_room(ctx, record=True)
             if ctx.decode_pool:
                 plan = self.disagg.plan(ctx, prefill_full=prefill_full, prefill_failing=failing)
+                if plan is None:  # take() is refused here, not left to wait
+                    raise _no_remote_prefill(ctx, decode, prefill)
             if plan is not None:
                 # Where the decode guard vetoes a full pool's local prefill, the plan ranks those
                 # full workers after all (router.disagg): a candidate was not left out for room.
@@ -661,16 +672,31 @@ def _longest(ctx: RequestContext) -> int:
     return max(map(ctx.cached_tokens, ctx.decode_pool), default=0)
 
 
-def _no_remote_prefill(ctx: RequestContext) -> PlanError:
+def _no_remote_prefill(
+    ctx: RequestContext, decode: Sequence[Candidate] = (), prefill: Sequence[Candidate] = ()
+) -> PlanError:
     """refresh() left decode candidates, but router.disagg plans none of them: none prefills a
     bypass (WorkerInfo.local_prefill false) and no prefill worker of its engine serves the request
     (none left, or one no transfer handle serves: n > 1, prompt logprobs). A prefill worker back or
-    a decode worker that prefills may come within seconds: transient."""
-    return PlanError(
-        503,
-        f"no worker of model {ctx.model} can take the request now: its decode workers cannot prefill locally and "
-        "no prefill worker of their engine can serve it",
-    )
+    a decode worker that prefills may come within seconds: transient. `decode` and `prefill`: the
+    pools before Planner._keep_room; where it set aside a decode worker that would serve the request,
+    those are full, which the message says (until 2026-12-08 it said none could serve it). The
+    request is refused rather than left to wait: at the head of its model's line it would hold up
+    every request behind it that a worker with room serves."""
+    kept = {id(c) for c in ctx.decode_pool}
+    engines = {c.info.engine for c in prefill}
+    if any(
+        c.info.role == "agg" or c.info.local_prefill or (not ctx.shape.local_prefill_only and c.info.engine in engines)
+        for c in decode
+        if id(c) not in kept
+    ):
+        why = (
+            "the decode workers that could serve it are full (those with room cannot prefill locally and no "
+            "prefill worker of their engine can serve it); it may be retried"
+        )
+    else:
+        why = "its decode workers cannot prefill locally and no prefill worker of their engine can serve it"
+    return PlanError(503, f"no worker of model {ctx.model} can take the request now: {why}")
 
 
 def _reasons(left_out: Sequence[Mapping[str, Any]]) -> str:

@@ -421,6 +421,55 @@ async def test_a_request_only_a_full_decode_worker_serves_holds_up_no_other_requ
     assert (plan.decode.worker, plan.path) == ("s1", Path.REMOTE)
 
 
+@pytest.mark.parametrize("sglang_prefill", [False, True], ids=["no_sglang_prefill", "n2"])
+def test_a_503_for_want_of_room_on_the_workers_that_could_serve_it_says_so_as_debug_route_does(
+    sglang_prefill: bool,
+) -> None:
+    # s1 (SGLang, no local prefill) has room but cannot serve the request: no SGLang prefill worker
+    # is up, or one is (sp1) and the request is n=2, which no transfer handle serves. d1 (vLLM,
+    # prefills locally) could, but is full. The 503 said none could serve it, and /debug/route that
+    # it waits for d1 (until 2026-12-08).
+    prefill = [winfo("sp1", "prefill", engine="sglang")] if sglang_prefill else []
+    f = Fleet(winfo("s1", engine="sglang", local_prefill=False), *prefill, winfo("d1"))
+    f.report("d1", prefill_tokens_queued=200_000)
+    shape = RequestShape(sequences=2 if sglang_prefill else 1)
+    with pytest.raises(PlanError) as taken:
+        f.planner.take(f.planner.context("r", MODEL, list(range(64)), shape=shape))
+    with pytest.raises(PlanError) as explained:
+        f.planner.explain(f.planner.context("dbg", MODEL, list(range(64)), shape=shape))
+    assert taken.value.code == explained.value.code == 503 and taken.value.transient
+    assert (
+        taken.value.message
+        == explained.value.message
+        == (
+            "no worker of model m can take the request now: the decode workers that could serve it are full "
+            "(those with room cannot prefill locally and no prefill worker of their engine can serve it); "
+            "it may be retried"
+        )
+    )
+    assert f.view.bookings("s1") == f.view.bookings("d1") == 0
+    f.report("d1", prefill_tokens_queued=0)
+    plan = f.planner.take(f.planner.context("r2", MODEL, list(range(64)), shape=shape))
+    assert plan is not None and plan.decode.worker == "d1"
+
+
+def test_a_full_decode_worker_with_a_prefill_worker_of_its_engine_could_serve_it_too() -> None:
+    # t1 cannot prefill locally either, but a prefill worker of its engine (tp1) would prefill for it
+    f = Fleet(
+        winfo("s1", engine="sglang", local_prefill=False),
+        winfo("t1", engine="trtllm", local_prefill=False),
+        winfo("tp1", "prefill", engine="trtllm"),
+    )
+    f.report("t1", prefill_tokens_queued=200_000)
+    with pytest.raises(PlanError) as caught:
+        f.planner.take(f.ctx(list(range(64))))
+    assert "could serve it are full" in caught.value.message
+    wide = f.planner.context("r", MODEL, list(range(64)), shape=RequestShape(sequences=2))
+    with pytest.raises(PlanError) as caught:  # no transfer handle serves n=2: t1 could not serve it
+        f.planner.take(wide)
+    assert "full" not in caught.value.message
+
+
 def test_a_request_no_worker_would_serve_even_with_room_is_a_503() -> None:
     # s1 has room, s2 is full; neither prefills locally and no SGLang prefill worker is up
     f = Fleet(winfo("s1", engine="sglang", local_prefill=False), winfo("s2", engine="sglang", local_prefill=False))
@@ -428,6 +477,10 @@ def test_a_request_no_worker_would_serve_even_with_room_is_a_503() -> None:
     with pytest.raises(PlanError) as caught:
         f.planner.take(f.ctx(list(range(64))))
     assert caught.value.code == 503 and "cannot prefill locally" in caught.value.message
+    assert "full" not in caught.value.message  # waiting for s2 frees nothing that serves it
+    with pytest.raises(PlanError) as explained:
+        f.planner.explain(f.ctx(list(range(64)), "dbg"))
+    assert explained.value.message == caught.value.message
 
 
 def test_with_every_prefill_worker_full_the_decode_worker_prefills() -> None:
