@@ -11,8 +11,12 @@ the order a `--scheduling-policy priority` engine serves them in), arrival order
 capacity frees: `notify()` (a load report arrived, a request ended, a worker appeared
 or left, and every `REOFFER_S` while any line waits) offers each line's head waiter to the
 planner, again and again while plans come back, one per line in turn, the most urgent head first,
-then the oldest (names that share workers take what frees in that order, as one queue would). A waiter keeps
-its request context, so nothing is hashed twice.
+then the oldest. A waiter keeps its request context, so nothing is hashed twice.
+
+Names that share workers (a model, its other names, its adapters) are not one queue: a newcomer
+under a name with no waiters is planned at once, so capacity that frees during another line's
+quiet time (below) can go to it first. Kept on purpose (2026-12-08): lines grouped by base model
+let an adapter whose few workers were full hold back its base model's requests with room.
 
 An offer that finds no room costs a whole plan, and a plan visits every worker (about 10 ms at
 1,000 workers). While requests wait, every load report would offer the head again: tens of
@@ -258,7 +262,7 @@ class Admission:
         lines = list(self._lines.values())
         while lines:
             # The most urgent head first, then the oldest: names that share workers (a model, its
-            # aliases, its adapters) take the capacity that frees in that order, as one queue would.
+            # aliases, its adapters) take what frees at this notification in that order.
             lines.sort(key=lambda line: line.waiters[0].order if line.waiters else (-math.inf, -1))
             lines = [line for line in lines if self._offer(line)]
 
