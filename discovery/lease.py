@@ -241,15 +241,20 @@ class Lease:
 
     async def revoke(self, timeout: float = 3.0) -> bool:
         """Whether the lease is gone (revoked now, or already revoked, lost or expired); False after
-        a WARNING naming why etcd did not revoke it: its keys then stay until its TTL passes, and an
-        owner whose peers act on them says what that costs (router.service). A lease whose revoke
-        failed before (here, or as a defect ended its keep-alive) is revoked again: until a review of
-        2026-12-08 such a lease read as gone, etcd still holding it and its keys."""
+        a WARNING naming why etcd did not revoke it, or what raised instead: its keys then stay until
+        its TTL passes, and an owner whose peers act on them says what that costs (router.service). A
+        lease whose revoke failed before (here, or as a defect ended its keep-alive) is revoked again:
+        until a review of 2026-12-08 such a lease read as gone, etcd still holding it and its keys."""
         await self.stop_keep_alive()
         if self._gone:
             return True
         self._state = LeaseState.REVOKED
-        failure = await self._revoke_renewing(timeout)
+        try:
+            failure = await self._revoke_renewing(timeout)
+        except Exception as exc:  # the defect that ended its keep-alive may stand here too (_keep_alive)
+            # said, not raised: raised, it failed each round's release before registering anew, never
+            # waiting out the lease, and stop() raised (review of 2026-12-08)
+            failure = exc
         # or revoke_now (a second SIGTERM) revoked it while this one waited on etcd
         self._gone = self._gone or failure is None
         if failure is not None and not self._gone:

@@ -45,12 +45,13 @@ as a full etcd refused it, each a multi-line gRPC error). Each try etcd answers 
 held by the lost lease (its revoke failed: waited out, a WARNING each) is told to
 `on_answered(KeyTaken)`: a shim's episode ends there (until a review of 2026-12-07 its /health said
 "registering with etcd fails for N s" for as long as the wait lasted, etcd answering all along).
-If a named key was taken meanwhile (`failure` is KeyTaken, naming the holder), etcd refused the TTL
-(its least now above `ttl`: `failure` is the ConfigError naming the setting), or an owner's hook
-raised, `failed` is set: the owner must act (stop, or start over with a new Registration). So it is
-when a keep-alive check finds the key or a claim held by another lease while ours lives: a live
-second owner of the name (etcd deletes a key with its lease), which took it once it was deleted by
-hand. From etcd's answer until the supervisor registers anew, `state` is "lost".
+If a named key was taken meanwhile (`failure` is KeyTaken, naming the holder), a setting was refused
+(etcd's least TTL now above `ttl`, a write etcd denies the user, or one the owner's hook names:
+`failure` is the ConfigError naming the setting), or an owner's hook raised, `failed` is set: the
+owner must act (stop, or start over with a new Registration). So it is when a keep-alive check
+finds the key or a claim held by another lease while ours lives: a live second owner of the name
+(etcd deletes a key with its lease), which took it once it was deleted by hand. From etcd's answer
+until the supervisor registers anew, `state` is "lost".
 
 The supervisor is the registration for the life of the process: an unexpected error in one of its
 ticks (a bug, a value() that raises) is an ERROR with its traceback (the first, then at most every
@@ -469,7 +470,10 @@ class Registration:
                     return False
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, RETRY_MAX_S)
-            except ConfigError as exc:  # etcd's least TTL rose above ttl (Discovery.grant): no retry mends it
+            # A setting no retry mends: etcd's least TTL risen above ttl (Discovery.grant), etcd denying
+            # the user a write (Discovery.create), or one the owner's before_create names (a shim's
+            # --worker-name that NATS refuses).
+            except ConfigError as exc:
                 self._config_failed(old, exc)
                 return False
             except Exception as exc:  # the owner's before_create
@@ -522,7 +526,8 @@ class Registration:
         return True
 
     def _config_failed(self, rid: str, exc: ConfigError) -> None:
-        """A setting etcd now refuses: until a review of 2026-12-08 it was blamed on the owner's hook."""
+        """A setting no retry mends (etcd's or the owner's hook's ConfigError): until a review of
+        2026-12-08 one etcd refused was blamed on the owner's hook."""
         log.error("registering %s again failed: %s", self._key(rid), exc)
         self.failure = exc
         self._phase = RegistrationState.FAILED
