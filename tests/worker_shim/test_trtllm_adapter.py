@@ -57,7 +57,26 @@ def test_event_ids_going_back_mean_a_restart() -> None:
     tracker = TrtllmEventTracker()
     tracker.fold(load("kv_cache_events_poll1.json"))
     again = tracker.fold([e for e in load("kv_cache_events_poll1.json") if e["data"]["type"] != "created"])
-    assert again.reset and tracker.restarts == 1
+    assert not again.events and tracker.restarts == 1 and tracker.next_run  # the new run's: the next fold's
+
+
+def test_a_restart_ends_the_fold_and_the_new_run_folds_next_from_a_complete_reset() -> None:
+    """The engine hands each event over once: the new run's events in the poll that shows the
+    restart are kept for the next fold (the adapter's next session), which starts complete at
+    `created` event 0 and is counted once. Until 2026-12-08 they went into the batch of the session
+    the restart ended, dropped: the next session's state stayed partial, their children orphaned."""
+    tracker, norm = TrtllmEventTracker(), Normaliser(4)
+    tracker.fold(load("kv_cache_events_poll1.json"))
+    last_of_old_run = stored(6, None, (300, [9, 9, 9, 9]))
+    again = tracker.fold([last_of_old_run, *load("kv_cache_events_poll1.json")])
+    assert (tracker.restarts, tracker.went_back, tracker.last_id) == (1, (6, 0), None)
+    assert not again.reset and len(again.events) == 1  # the old run's, up to the restart
+    assert tracker.next_run == load("kv_cache_events_poll1.json")
+    new, child = folded(tracker, norm, tracker.next_run, [stored(6, 162, (164, [13, 14, 15, 16]))])
+    assert new.reset and new.complete and not child.reset and norm.exact
+    chain = block_hashes([*range(1, 9), 13, 14, 15, 16], 4)  # the child of a block the new run's first poll stored
+    assert norm.canonical_hashes() == {*chain, *block_hashes(list(range(100, 104)), 4)}
+    assert (tracker.restarts, tracker.gaps, tracker.ignored, norm.stats.unknown_parent) == (1, 0, 2, 0)
 
 
 def _tok(ids: list[int]) -> list[dict[str, int | str]]:

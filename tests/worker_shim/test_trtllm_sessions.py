@@ -18,14 +18,14 @@ import pytest
 from aiohttp import web
 from nats.aio.msg import Msg
 
-from protocol import GenerateRequest, LoadReport, SamplingParams, decode_msg, subjects
+from protocol import GenerateRequest, LoadReport, SamplingParams, block_hashes, decode_msg, subjects
 from protocol.config import EtcdSettings, NatsSettings
 from tests.router.polling import until
 from tests.worker_shim.cluster import collector
 from tests.worker_shim.test_request_service import Collector
 from tests.worker_shim.test_trtllm_adapter import CREATED, stored
 from tests.worker_shim.test_trtllm_serve import TPB, USABLE, _engine, chopped
-from worker_shim import ShimConfig, ShimStatus, WorkerShim
+from worker_shim import Normaliser, ShimConfig, ShimStatus, WorkerShim
 from worker_shim.adapters import trtllm
 from worker_shim.adapters.base import EngineCold, EngineError, EngineHealth
 from worker_shim.adapters.trtllm import TrtllmAdapter
@@ -286,7 +286,9 @@ async def test_a_restart_only_the_event_ids_show_ends_the_session_and_the_next_t
     """trtllm-serve restarted between two health checks with twice the block size: its event ids
     start over at 0. Until 2026-12-08 the stream was reset and the session kept its worker id and
     the old limits (every Stored of the new size dropped); now the session ends, the worker
-    registers anew with the new engine's limits, and the new run's events are indexed."""
+    registers anew with the new engine's limits, and the new run's events are indexed: those the
+    poll that showed the restart drained first (no replay: until 2026-12-08 they were dropped, the
+    state stayed partial and their children had an unknown parent), then the next poll's."""
     engine = {"new": False}
     polls: list[list[Any]] = [[CREATED, stored(1, None, (11, [1] * TPB))]]
     new_kv = {"maxNumBlocks": 1024, "usedNumBlocks": 0, "tokensPerBlock": 2 * TPB}
@@ -309,13 +311,16 @@ async def test_a_restart_only_the_event_ids_show_ends_the_session_and_the_next_t
                 assert (shim.limits.block_size, shim.registration_count) == (TPB, 1)
                 engine["new"] = True
                 created = {**CREATED, "data": {"type": "created", "num_blocks_per_cache_level": [1024, 0]}}
-                polls.append([created, stored(1, None, (21, [2] * 2 * TPB))])
+                a, b, c = [2] * 2 * TPB, [4] * 2 * TPB, [3] * 2 * TPB
+                polls.append([created, stored(1, None, (21, a)), stored(2, 21, (23, b))])
                 await until(lambda: shim.registration_count == 2 and shim.serving, 10, "registered anew")
                 assert (shim.limits.block_size, shim.limits.kv_total_blocks) == (2 * TPB, 1024)
-                polls.append([stored(2, None, (22, [3] * 2 * TPB))])
+                polls.append([stored(3, 23, (22, c))])  # a child of the restart poll's blocks
                 norm = shim.normaliser
                 assert norm is not None and isinstance(shim.adapter, TrtllmAdapter)
-                await until(lambda: len(norm.canonical_hashes()) == 1, 5, "the new run's block")
+                await until(lambda: len(norm.canonical_hashes()) == 3, 5, "the new run's blocks")
+                assert norm.canonical_hashes() == set(block_hashes([*a, *b, *c], 2 * TPB))
+                assert norm.exact and norm.stats.unknown_parent == 0  # complete: the engine's start seen
                 assert (shim.registration_count, shim.adapter.tracker.restarts) == (2, 1)
         said = [r.getMessage() for r in caplog.records]
         assert any("its KV event ids went back from 1 to 0" in m for m in said), said
@@ -421,6 +426,65 @@ async def test_a_metrics_read_hung_with_a_gone_engine_is_given_up_when_health_sa
         finally:
             never.set()
             await adapter.close()
+
+
+@pytest.mark.parametrize("went_down", [False, True], ids=["next-session", "engine-down-between"])
+async def test_the_new_runs_events_the_restart_poll_drained_open_the_next_session(went_down: bool) -> None:
+    """The poll whose ids went back drained the new run's first events (trtllm-serve has no replay):
+    the next session folds them first, with its limits, from a complete reset, and a block stored
+    under them later is indexed. Until 2026-12-08 they were dropped with the ended session: its
+    successor stayed partial and the child had an unknown parent. An engine /health saw go down
+    between the sessions may be another: that run's events are not delivered."""
+    reads: list[list[Any]] = [[STATS]]
+    health = {"status": 200}
+    polls: list[list[Any]] = [[CREATED, stored(1, None, (11, [1] * TPB))]]
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response(reads.pop(0) if reads else [])
+
+    async def health_route(request: web.Request) -> web.Response:
+        return web.Response(status=health["status"])
+
+    async def kv_cache_events(request: web.Request) -> web.Response:
+        return web.json_response(polls.pop(0) if polls else [])
+
+    a, b, c = [2] * TPB, [3] * TPB, [4] * TPB
+    routes = {"/metrics": metrics, "/health": health_route, "/kv_cache_events": kv_cache_events}
+    async with _engine(routes) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+            await adapter.limits()
+            first = asyncio.create_task(adapter.run_events(collector([]), asyncio.Event()))
+            await until(lambda: adapter.tracker.last_id == 1, 5, "the first run's events")
+            polls.append([stored(2, 11, (12, [5] * TPB)), CREATED, stored(1, None, (21, a)), stored(2, 21, (22, b))])
+            with pytest.raises(EngineRestarted, match="went back from 2 to 0"):
+                await asyncio.wait_for(first, 5)
+            if went_down:
+                health["status"] = 503
+                assert await adapter.health() is EngineHealth.DOWN
+                health["status"] = 200
+                polls.append([CREATED, stored(1, None, (31, c))])  # the engine back at the URL
+            else:
+                polls.append([stored(3, 22, (23, c))])  # a child of the restart poll's blocks
+            reads.append([STATS])
+            await adapter.limits()
+            got: list[EngineBatch] = []
+            task = asyncio.create_task(adapter.run_events(collector(got), asyncio.Event()))
+            await until(lambda: not polls and adapter.tracker.last_id == (1 if went_down else 3), 5, "the next poll")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            await adapter.close()
+    norm = Normaliser(TPB)
+    for batch in got:
+        if batch.reset:
+            norm.reset(exact=batch.complete)
+        norm.apply(batch.events)
+    want = block_hashes(c, TPB) if went_down else block_hashes([*a, *b, *c], TPB)
+    assert norm.canonical_hashes() == set(want) and norm.exact and norm.stats.unknown_parent == 0
+    assert (adapter.tracker.restarts, adapter.tracker.ignored, adapter.tracker.partial) == (1, 0, 0)
 
 
 async def test_held_limits_go_with_a_fresh_engines_500_and_an_engine_gone() -> None:

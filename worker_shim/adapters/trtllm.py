@@ -20,7 +20,9 @@
   for the engine's life and stand for a later session's empty answer; a /health that says down, an
   events poll failing on the transport or answered 500 (a fresh engine), or event ids that start
   over (a restart) drop them. Ids that start over also end the session (EngineRestarted, before any
-  of the new run is delivered); limits read anew start the ids' comparison over. A load read of []
+  of the new run is delivered); the new run's events that poll drained are the next session's first
+  (folded with its limits), unless the engine may be another by then. Limits read anew start the
+  ids' comparison over. A load read of []
   (no iteration since the last read, or a buffered /metrics not refilled until a request finishes)
   is the last load, marked stale. Both endpoints drain what they return: the shim must be their only
   reader. Without `return_perf_metrics` trtllm-serve answers `/metrics` only once 2 s pass with no
@@ -353,6 +355,7 @@ class TrtllmAdapter(HttpEngineAdapter):
         # answers [] to the next session. Dropped when it may have restarted (health(), run_events).
         self._limits: EngineLimits | None = None
         self._polled_at: float | None = None  # when the events poll last answered (or polling began)
+        self._next_run: list[Any] = []  # the new run's events the poll that showed a restart drained
         self._events_held_said = False
 
     async def close(self) -> None:
@@ -485,6 +488,7 @@ class TrtllmAdapter(HttpEngineAdapter):
         self._limits = None
         self._stats_seen = False
         self._empty_reads = 0
+        self._next_run = []  # a run gone with the engine
 
     def _stats(self, body: bytes) -> Any:
         """A /metrics answer's stats. [] after legs ended since the read before, from an engine that
@@ -521,7 +525,7 @@ class TrtllmAdapter(HttpEngineAdapter):
         try:
             while True:
                 try:
-                    events = await self._poll_events()
+                    events = await self._next_events()
                 except _NoJson as exc:
                     batch = self.tracker.lost(exc.message, "no JSON")
                 except EngineError as exc:
@@ -545,6 +549,7 @@ class TrtllmAdapter(HttpEngineAdapter):
                         # engines' do) and the next reads them anew. Until 2026-12-08 the stream was
                         # reset and the session kept the old run's limits and worker id.
                         self._forget_engine()
+                        self._next_run = self.tracker.next_run  # no replay: the next session's first
                         old, new = self.tracker.went_back
                         raise EngineRestarted("trtllm", f"its KV event ids went back from {old} to {new}")
                 answered, self._polled_at = True, time.monotonic()
@@ -554,6 +559,14 @@ class TrtllmAdapter(HttpEngineAdapter):
                 await asyncio.sleep(POLL_S)
         finally:
             self._polled_at = None
+
+    async def _next_events(self) -> Any:
+        """The new run's events that the poll which ended the last session drained (folded now,
+        with this session's limits), else a poll's answer."""
+        if self._next_run:
+            events, self._next_run = self._next_run, []
+            return events
+        return await self._poll_events()
 
     async def _poll_events(self) -> Any:
         """One poll's answer, however long the engine holds it (said once past EVENTS_HELD_SAY_S)."""

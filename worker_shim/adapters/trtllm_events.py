@@ -14,8 +14,12 @@ keyed above every 64-bit value, so no string ever names the block an integer doe
 
 `event_id` counts up by one per event: a jump means events were lost (the engine's event buffer
 overflowed, or another reader drained them), a step back means the engine started afresh. There
-is no replay, so both reset the state (`complete` only for a fresh start); on a restart the adapter
-ends the session (TrtllmAdapter.run_events). The start is the
+is no replay, so a gap resets the state, incomplete. A step back ends the fold there: the events
+from it on are the new run's, kept in `next_run` (the engine handed them over once), and the
+adapter ends the session and folds them first in the next (TrtllmAdapter.run_events), where they
+start from a complete reset at `created` event 0. Until 2026-12-08 they were folded into the
+batch the ended session dropped: the next session's state stayed partial and blocks stored under
+them had an unknown parent. The start is the
 engine's `created` events, one per attention window size: a model with sliding-window layers
 (VSWA) has one per window, numbered on, and caches each block once per window. Only the largest
 window's blocks hold a prompt's whole prefix, so only its `stored` and `removed` events are
@@ -185,6 +189,7 @@ class TrtllmEventTracker:
     gaps: int = 0
     restarts: int = 0
     went_back: tuple[int, int] | None = None  # the last restart's ids: the last one before, the first after
+    next_run: list[Any] = field(default_factory=list)  # the last fold's events from a restart on, not folded
     ignored: int = 0  # `updated` events, `{}` entries, and smaller windows' stored/removed events
     partial: int = 0  # partly filled last blocks of stored events, dropped
     malformed: int = 0
@@ -196,11 +201,13 @@ class TrtllmEventTracker:
     _after_lost: bool = False  # a poll's answer was lost since the last event: reset already
 
     def fold(self, events: Any) -> EngineBatch:
-        """One poll's events; raises ConfigError once they come from a second attention-DP rank."""
+        """One poll's events up to a restart (the rest in `next_run`); raises ConfigError once they
+        come from a second attention-DP rank."""
         batch = EngineBatch()
+        self.next_run = []
         if not isinstance(events, list):
             return self.lost("/kv_cache_events answered JSON that is no list", "no JSON list")
-        for ev in events:
+        for at, ev in enumerate(events):
             if isinstance(ev, dict) and not ev:
                 self.ignored += 1
                 continue
@@ -215,6 +222,13 @@ class TrtllmEventTracker:
                 raise attention_dp_error(self.ranks)
             data = ev.get("data")
             kind = data.get("type") if isinstance(data, dict) else None
+            if self.last_id is not None and eid <= self.last_id:
+                # Another engine run: its events are for the next fold, its ids compared with its own.
+                self.restarts += 1
+                self.went_back = (self.last_id, eid)
+                self.last_id, self.window = None, None  # a restarted engine may have other windows
+                self.next_run = events[at:]
+                return batch
             self._step(eid, kind, batch)
             if not isinstance(data, dict):
                 self._malformed(EventDecodeError("trtllm", "an event without data"))
@@ -249,12 +263,7 @@ class TrtllmEventTracker:
     def _step(self, eid: int, kind: object, batch: EngineBatch) -> None:
         """Event-id continuity: ids count up by one from the engine's start (its created events)."""
         last = self.last_id
-        if last is not None and eid <= last:
-            self.restarts += 1
-            self.went_back = (last, eid)
-            self.window = None  # a restarted engine may have other windows
-            self._reset(batch, complete=eid == 0)
-        elif last is None and kind == "created":
+        if last is None and kind == "created":
             self._reset(batch, complete=eid == 0)
         elif last is not None and eid != last + 1 and not self._after_lost:
             self.gaps += 1
