@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine_sim import SimRequestError
 from engine_sim.openai_request import ChatRequest, CompletionRequest, chat_call, completion_call, parse_body
-from protocol import SamplingParams
+from protocol import SamplingParams, lax_bool
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from worker_shim import ShimConfig
 from worker_shim.adapters.base import EngineError, LegRequest
@@ -186,6 +186,34 @@ def test_a_prefill_leg_keeps_a_value_the_engine_refuses_as_the_client_sent_it(
         assert {k: pre.get(k) for k in ("max_tokens", "min_tokens")} == {
             k: client.get(k) for k in ("max_tokens", "min_tokens")
         }
+
+
+STREAM_OPTIONS = {"stream_options": {"include_usage": True}}
+# the client's raw `stream` beside stream_options, and whether vLLM 0.32 takes the request: its
+# validator reads the raw value's truthiness, its model then the value ("false" is truthy text, False)
+STREAMS: list[tuple[Any, bool]] = [("false", True), ("0", True), (False, False), (None, False), (True, True)]
+
+
+@pytest.mark.parametrize("endpoint", [ENDPOINT_COMPLETIONS, ENDPOINT_CHAT])
+@pytest.mark.parametrize(("stream", "taken"), STREAMS)
+@pytest.mark.parametrize("kind", ["aggregated", "decode", "prefill"])
+def test_the_engine_refuses_a_legs_stream_options_exactly_when_it_refuses_the_clients(
+    endpoint: str, stream: Any, taken: bool, kind: str
+) -> None:
+    """Until 2026-12-08 an unstreamed leg kept the client's stream_options beside the parsed
+    `stream` false: vLLM took `"stream": "false"` with them from the client, the router too, but
+    refused the decode leg, after the whole remote prefill had run (the prefill leg dropped them)."""
+    fields = {"max_tokens": 5, **STREAM_OPTIONS, **({} if stream is None else {"stream": stream})}
+    client = _client(endpoint, {**({"prompt": [1, 2, 3]} if endpoint == ENDPOINT_COMPLETIONS else {}), **fields})
+    kw: dict[str, Any] = {"prefill_only": True} if kind == "prefill" else {}
+    if kind == "decode":
+        kw["transfer"] = {"remote_engine_id": "e"}
+    body = engine_body(leg(endpoint, dict(client), stream=lax_bool(stream) is True, max_model_len=100, **kw))[1]
+    refusal = _engine_refusal(endpoint, client)
+    assert (refusal is None) == taken
+    assert _engine_refusal(endpoint, body) == refusal
+    if body["stream"]:  # the client's usage chunk
+        assert body["stream_options"] == client["stream_options"]
 
 
 def test_a_vllm_token_id_leg_carries_the_clients_cache_salt() -> None:

@@ -5,8 +5,9 @@ Two kinds of leg:
 - pass-through (`leg.endpoint` set): the client's own request goes to the engine's
   `/v1/completions` or `/v1/chat/completions` with only what the shim must force (`model`, the
   routed token ids as a completions prompt, `stream`, the P/D fields; a prefill leg one token,
-  `n` 1, a `min_tokens` clamped to 1, no `stream_options`, each only where the client's value is
-  one the engine takes: one it refuses goes as it is, for the engine to refuse at once). The
+  `n` 1, a `min_tokens` clamped to 1, and an unstreamed leg no `stream_options`, each only where the
+  client's value is one the engine takes: one it refuses goes as it is, for the engine to refuse at
+  once). The
   engine's answer comes back byte for byte: each SSE payload, or the whole body. Nothing is added
   to count tokens (vLLM's `return_token_ids` would change what it answers: an echo of a token-id
   prompt comes back empty with it), so an event counts the token ids it carries, else one token per
@@ -212,25 +213,31 @@ def pass_through_body(leg: LegRequest, *, min_one: bool = False) -> dict[str, An
     body["model"] = leg.model
     if leg.endpoint == ENDPOINT_COMPLETIONS and "prompt" not in body:
         body["prompt"] = leg.token_ids
+    body["stream"] = leg.stream and not leg.prefill_only
+    if not body["stream"] and not _refused_stream_options(leg.params):
+        # unread on an answer not streamed; beside `stream` false vLLM refuses them, which the
+        # client's truthy raw `stream` ("false") passed
+        body.pop("stream_options", None)
     if leg.prefill_only:
         _one_token(body, leg, min_one)
-        return body
-    body["stream"] = leg.stream
     return body
 
 
+def _refused_stream_options(params: dict[str, Any]) -> bool:
+    """vLLM's stream_options validator on the client's raw values' truthiness: `{}` passes, and so
+    does `"stream": "false"` (truthy text, that its model then reads as False)."""
+    return bool(params.get("stream_options")) and not params.get("stream")
+
+
 def _one_token(body: dict[str, Any], leg: LegRequest, min_one: bool) -> None:
-    """A prefill leg's output is thrown away: one token, one choice, nothing streamed. A value the
-    engine refuses stays as the client sent it, so that the engine refuses the prefill leg at once,
-    in the words it will refuse the decode leg with: rewritten into a valid one, it cost a whole
-    remote prefill before that refusal (vLLM 0.32's checks: its request models' integer fields,
-    SamplingParams._verify_args, TokenizeParams, the `stream_options` validator; engine_sim's copy
-    of them judges these rules in tests/worker_shim/test_leg_params.py)."""
-    body["stream"] = False
+    """A prefill leg's output is thrown away: one token, one choice, not streamed (pass_through_body,
+    with stream_options as for any unstreamed leg). A value the engine refuses stays as the client
+    sent it, so that the engine refuses the prefill leg at once, in the words it will refuse the
+    decode leg with: rewritten into a valid one, it cost a whole remote prefill before that refusal
+    (vLLM 0.32's checks: its request models' integer fields, SamplingParams._verify_args,
+    TokenizeParams, the `stream_options` validator; engine_sim's copy of them judges these rules in
+    tests/worker_shim/test_leg_params.py)."""
     chat = leg.endpoint == ENDPOINT_CHAT
-    # the raw values' truthiness, as vLLM's validator reads them; the decode leg sends the same stream
-    if not (body.get("stream_options") and not leg.params.get("stream")):
-        body.pop("stream_options", None)
     with contextlib.suppress(_Refused):
         if _int_field(body, "n", 1, nullable=chat) >= 1:  # a chat's n may be null, a completion's not
             body["n"] = 1
