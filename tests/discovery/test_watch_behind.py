@@ -1,0 +1,80 @@
+"""A watch created on a member a few ms behind the one its read asked: etcd's created answer carries
+that member's revision, below the read's. Until a review of 2026-12-08 the watch took it for etcd's
+data replaced and broke, re-read and yielded a second Snapshot (20 of 150 watches on 3 members
+under puts); now a linearizable read confirms first, and only a revision still below breaks it.
+The lag is made here by lowering the created answer's revision, as a member behind would send it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import pytest
+
+import discovery.watch as watch_module
+from discovery import Discovery, Put, Snapshot
+from protocol.config import EtcdSettings
+
+
+def _first_created_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first stream's created answer comes from a member one revision behind the read."""
+    real = watch_module._stream
+    streams = []
+
+    async def behind(*args: Any) -> AsyncGenerator[Any, None]:
+        streams.append(args)
+        async for wr in real(*args):
+            if wr.created and len(streams) == 1:
+                wr.header.revision -= 1
+            yield wr
+
+    monkeypatch.setattr(watch_module, "_stream", behind)
+
+
+async def test_a_watch_created_on_a_member_behind_carries_on(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.INFO, logger="discovery.watch")
+    _first_created_behind(monkeypatch)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        await d.put_raw(f"/{ns}/w/a", b"1")
+        watch = d.watch_raw(f"/{ns}/w/")
+        assert isinstance(await asyncio.wait_for(anext(watch), 5), Snapshot)
+        following = asyncio.ensure_future(anext(watch))
+        await asyncio.sleep(0.2)  # the created answer has come
+        await d.put_raw(f"/{ns}/w/b", b"2")
+        event = await asyncio.wait_for(following, 5)
+        assert isinstance(event, Put) and event.name == "b", f"the watch was made again: {event}"
+        await watch.aclose()
+    assert "made again" not in caplog.text
+
+
+async def test_a_watch_created_where_etcds_revision_went_back_reads_anew(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The confirming read below the first read's revision too: etcd's data was replaced."""
+    caplog.set_level(logging.INFO, logger="discovery.watch")
+    _first_created_behind(monkeypatch)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        await d.put_raw(f"/{ns}/w/a", b"1")
+        assert d.client.kv is not None
+        real_get = d.client.kv.get
+        counts: list[Any] = []
+
+        async def went_back(*args: Any, **kwargs: Any) -> Any:
+            resp = await real_get(*args, **kwargs)
+            if kwargs.get("count_only") and not counts:
+                counts.append(resp)
+                resp.header.revision -= 1
+            return resp
+
+        monkeypatch.setattr(d.client.kv, "get", went_back)
+        watch = d.watch_raw(f"/{ns}/w/")
+        assert isinstance(await asyncio.wait_for(anext(watch), 5), Snapshot)
+        again = await asyncio.wait_for(anext(watch), 5)
+        assert isinstance(again, Snapshot) and set(again.items) == {"a"}
+        assert counts, "no confirming read"
+        await watch.aclose()
+    assert f"watch /{ns}/w/: made again; re-reading" in caplog.text
