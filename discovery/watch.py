@@ -15,6 +15,7 @@ held in a `ReadHealth`, for a health check to name while the consumer holds a st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -61,6 +62,23 @@ NO_LEASE = (
     "it is held by no lease (put without one: by hand or by a tool), so it would outlive its owner: "
     "a record here lives exactly as long as its owner's lease"
 )
+
+
+class _Closed(Exception):
+    """The etcd client was closed under a watch: it ends."""
+
+
+@contextlib.contextmanager
+def _unless_closed(client: Etcd3Client) -> Iterator[None]:
+    """A call cut by the client's close: gRPC cancels a closed channel's calls, a CancelledError in
+    a task no one cancelled, which the watch's consumer would take for its own; _Closed instead."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if client.kv is None and task is not None and not task.cancelling():
+            raise _Closed from None
+        raise
 
 
 class ReadHealth:
@@ -149,6 +167,10 @@ async def watch_prefix(
     Resuming from a revision is not enough: etcd back with less data (a lost data dir, a restore)
     has a lower revision, and a stream broken before etcd sent the changes it owed resumes past
     them (etcd3aio resumes after the revision etcd's answer carried, not after the last change).
+
+    Ends (an INFO line) once the client is closed under it: until a review of 2026-12-08 the
+    consumer got a CancelledError no one had asked for (gRPC cancels a closed channel's calls), or
+    an AssertionError from the next read.
     """
     start = prefix.encode()
     end = start + b"\0" if exact else prefix_range_end(start)
@@ -157,14 +179,18 @@ async def watch_prefix(
     cancelled = ""  # why etcd cancelled the watch last, said once until a watch works again
     silent = False  # a watch went unanswered, said once until one is answered again
     while True:
-        revision, kvs, too_large = await read_retried(
-            _PagedRead(client, start, end, _waits(silent and hurry)),
-            f"watch {prefix}",
-            errors=(EtcdError, TimeoutError, grpc.aio.AioRpcError),
-            first_s=retry_s,
-            failed=failed,
-            health=health,
-        )
+        try:
+            revision, kvs, too_large = await read_retried(
+                _PagedRead(client, start, end, _waits(silent and hurry)),
+                f"watch {prefix}",
+                errors=(EtcdError, TimeoutError, grpc.aio.AioRpcError),
+                first_s=retry_s,
+                failed=failed,
+                health=health,
+            )
+        except _Closed:
+            log.info("watch %s: the etcd client was closed; the watch ends", prefix)
+            return
         if revision < latest:
             log.warning(
                 "watch %s: etcd's revision went back from %d to %d: its data was replaced (lost, or "
@@ -248,6 +274,9 @@ async def watch_prefix(
         except (EtcdError, grpc.aio.AioRpcError) as exc:
             failed(exc)
             log.warning("watch %s: %s; re-reading", prefix, said(exc))
+        except _Closed:
+            log.info("watch %s: the etcd client was closed; the watch ends", prefix)
+            return
         finally:
             await stream.aclose()
         await asyncio.sleep(retry_s)
@@ -268,7 +297,7 @@ async def _stream(client: Etcd3Client, start: bytes, end: bytes, revision: int) 
 
     service = client.watch
     if service is None:
-        raise EtcdError("the etcd client was closed")
+        raise _Closed
     call = service._stub.Watch(requests(), metadata=service._metadata or None)
     answers = aiter(call)
     what = f"watch {start.decode(errors='backslashreplace')}"
@@ -277,7 +306,8 @@ async def _stream(client: Etcd3Client, start: bytes, end: bytes, revision: int) 
             try:
                 # The read alone, never the consumer's work; a stall of this process is not etcd's.
                 async with answer_within(SILENT_S, what):
-                    answer = await anext(answers)
+                    with _unless_closed(client):
+                        answer = await anext(answers)
             except StopAsyncIteration:
                 return
             yield answer
@@ -293,9 +323,10 @@ async def _went_back(client: Etcd3Client, key: bytes, latest: int) -> bool:
     puts). A read that fails says True: re-reading is always safe."""
     kv = client.kv
     if kv is None:
-        return True
+        raise _Closed
     try:
-        resp = await kv.get(key, count_only=True, timeout=READ_S)
+        with _unless_closed(client):
+            resp = await kv.get(key, count_only=True, timeout=READ_S)
     except (EtcdError, TimeoutError, grpc.aio.AioRpcError):
         return True
     return bool(resp.header.revision < latest)
@@ -375,7 +406,8 @@ class _PagedRead:
     async def __call__(self) -> tuple[int, list[KeyValue], dict[bytes, str]]:
         while True:
             try:
-                return await self._pages()
+                with _unless_closed(self.client):
+                    return await self._pages()
             except TimeoutError:
                 timed_out, self.wait = self.wait, next(self.waits)
                 if timed_out >= READ_S:
@@ -386,7 +418,8 @@ class _PagedRead:
 
     async def _pages(self) -> tuple[int, list[KeyValue], dict[bytes, str]]:
         kv = self.client.kv
-        assert kv is not None
+        if kv is None:
+            raise _Closed
         while True:
             try:
                 resp = await kv.get(self.key, self.end, revision=self.revision, limit=self.limit, timeout=self.wait)
