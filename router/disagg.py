@@ -56,10 +56,6 @@ __all__ = ["Disaggregator", "Learns", "RoutePlan"]
 
 log = logging.getLogger(__name__)
 
-# A request of one of these outcomes takes no transfer handle: a decode worker that cannot prefill
-# locally cannot serve it at all
-_NO_HANDLE_SERVES = frozenset({Outcome.BYPASS_SEQUENCES, Outcome.BYPASS_PROMPT_LOGPROBS, Outcome.BYPASS_BEAM_SEARCH})
-
 
 @dataclass(slots=True)
 class RoutePlan:
@@ -293,7 +289,9 @@ class Disaggregator:
         """`plan`, a bypass on a decode worker that cannot prefill locally, made remote; None where
         no remote prefill can serve the request there."""
         d = plan.decode
-        if plan.outcome in _NO_HANDLE_SERVES:
+        if ctx.shape.local_prefill_only:
+            # No transfer handle serves it, whatever the bypass: `prefill_pool_full` is planned before
+            # the shape is looked at (until 2026-12-08 it went remote here, on a full prefill worker)
             return None
         engine = d.info.engine
         pool = [

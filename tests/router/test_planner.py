@@ -483,6 +483,31 @@ def test_a_request_no_worker_would_serve_even_with_room_is_a_503() -> None:
     assert explained.value.message == caught.value.message
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [RequestShape(sequences=2), RequestShape(prompt_logprobs=True), RequestShape(beam_search=True)],
+    ids=["n2", "prompt_logprobs", "beam_search"],
+)
+def test_a_request_no_transfer_handle_serves_is_not_sent_remote_through_a_full_prefill_worker(
+    shape: RequestShape,
+) -> None:
+    # s1 cannot prefill locally and sp1, its engine's only prefill worker, is full: the planned
+    # prefill_pool_full bypass went remote on sp1 (remote_no_local_prefill) before the shape was
+    # looked at, though no transfer handle serves such a request (until 2026-12-08)
+    f = Fleet(winfo("s1", engine="sglang", local_prefill=False), winfo("sp1", "prefill", engine="sglang"))
+    f.report("sp1", prefill_tokens_queued=200_000)
+    with pytest.raises(PlanError) as taken:
+        f.planner.take(f.planner.context("r", MODEL, list(range(64)), shape=shape))
+    with pytest.raises(PlanError) as explained:
+        f.planner.explain(f.planner.context("dbg", MODEL, list(range(64)), shape=shape))
+    assert taken.value.code == 503 and "cannot prefill locally" in taken.value.message
+    assert explained.value.message == taken.value.message
+    assert f.view.bookings("s1") == f.view.bookings("sp1") == 0
+    plain = f.planner.take(f.ctx(list(range(64)), "plain"))  # one a handle serves still goes remote on sp1
+    assert plain is not None and plain.prefill is not None
+    assert (plain.prefill.worker, plain.outcome) == ("sp1", Outcome.REMOTE_NO_LOCAL_PREFILL)
+
+
 def test_with_every_prefill_worker_full_the_decode_worker_prefills() -> None:
     f = Fleet(winfo("d1"), winfo("p1", "prefill"), disagg="always")
     f.report("p1", prefill_tokens_queued=200_000)
