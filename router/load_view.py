@@ -24,14 +24,17 @@ Order. A worker's reports replace each other by stamp, not arrival: one stamped 
 by at most MAX_REORDER_S came late and only proves the worker alive. One older by more is the
 worker's clock stepping back (NTP step, VM resume): it is taken, and `update` says how far back,
 since dropping it would freeze the worker's figures and read it as silent for as long as the step
-while it reports every second. That worker's stamps are moved forward by the step from then on (an
-offset per worker, so they keep to this router's timeline as before it): a booking made after the
-step is covered by the next report that counts it, where it counted twice, in the reports and as a
-booking, for as long as the step until 2026-12-08. Where the offset puts a stamp ahead of this
-router's clock (the worker's clock set right again, a takeover's other publisher), it comes down to
-what keeps the stamp at the worker's newest, or to none: not to this router's clock, which would add
-that report's delivery time to every later stamp. So a moved stamp is never ahead of this router's
-clock nor past the newest stamp it must reach, erring toward counting a booking a little longer.
+while it reports every second. Coverage stays at the newest stamp the worker has sent: a clock
+never ahead of real time stamps each report at or before its making, and a later report was made
+after an earlier one, so no report held was made before that stamp. Nothing else is sound: a stamp
+moved forward by the step (2026-12-08) went past its report's making once the clock stepped forward
+again, or the delivery slowed, by as much (every stamp 0.2 s past its making for good after back
+5 s, forward 1.2 s), and a report made before a booking covered it. So a booking made after a step
+back of S counts, in the reports and as a booking, until the worker's own clock passes it (up to
+S), erring toward counting it longer; a stored stamp never passes the newest of the one before and
+the stamp as sent. The step drops the releases held for that worker (judged on the stamps before
+it), and none is recorded while its clock is behind its newest stamp: every report it sends then
+was made after that stamp, so none counts a finished prompt as queued.
 
 Bookings are kept per router (None is this router), then per request_id, so what one router holds
 (`held`, `keys`, `confirm_all`: a peer's snapshots) costs its own bookings, not the fleet's. One
@@ -44,9 +47,9 @@ its time a prefill worker will spend prefilling while a request spilled to it de
 (router.policies.slo_aware).
 
 Cost. Each worker keeps the sums of what no report covers yet, updated as bookings come, finish
-and get covered (by the worker's newest stamp, moved by a step back as under Order, so coverage
-neither reverts nor stalls for the step), so `load()` costs the same with 5 or 5,000 requests in
-flight: a router that falls behind does not slow down with it.
+and get covered (by the newest stamp the worker has sent, so coverage never reverts), so `load()`
+costs the same with 5 or 5,000 requests in flight: a router that falls behind does not slow down
+with it.
 """
 
 from __future__ import annotations
@@ -161,9 +164,9 @@ class _WorkerBookings:
         heapq.heappush(self._by_booked, (booking.booked_at, next(self._order), booking))
         self._compact()
 
-    def prefill_done(self, booking: _Booking, at: float) -> None:
+    def prefill_done(self, booking: _Booking, at: float, *, release: bool = True) -> None:
         booking.prefill_done_at = at
-        if booking.prefill_tokens:
+        if booking.prefill_tokens and release:
             entry = (at, next(self._order), booking.booked_at, booking.prefill_tokens)
             heapq.heappush(self._by_released, entry)
         self._uncount_prefill(booking)
@@ -192,6 +195,9 @@ class _WorkerBookings:
     def released(self, report_ts: float) -> int:
         """Prompt tokens a report made at `report_ts` counts as queued whose prefill is done since."""
         return sum(tokens for _, _, booked_at, tokens in self._by_released if booked_at <= report_ts)
+
+    def drop_releases(self) -> None:
+        self._by_released.clear()
 
     @property
     def holds_releases(self) -> bool:
@@ -236,7 +242,7 @@ class Expired:
 class _Report:
     report: LoadReport
     received_at: float  # of the worker's latest report, taken or not
-    offset: float  # added to the worker's stamps: the steps back its clock made (module docstring, Order)
+    covers: float  # the newest stamp taken from the worker: no later report of it was made before (Order)
 
 
 _NO_REPORT = float("-inf")
@@ -259,26 +265,21 @@ class LoadView:
         MAX_REORDER_S (reordered) is dropped, but the worker is alive; one older by more is taken,
         and the seconds its clock stepped back are returned (None otherwise)."""
         now = self._clock()
+        if not report.ts <= now + MAX_CLOCK_SKEW_S:  # also NaN
+            report = msgspec.structs.replace(report, ts=now + MAX_CLOCK_SKEW_S)
         held = self._reports.get(report.worker)
-        offset = held.offset if held is not None else 0.0
-        ts = report.ts + offset
-        if held is not None and offset > 0 and ts > now:  # set right again, or the other publisher was behind
-            # Down to what keeps the stamp at the newest (or none), never past now: cut to now alone,
-            # it would keep the delivery delay, and a stamp past the report's making covers bookings it missed.
-            offset = max(0.0, min(offset, now - report.ts, held.report.ts - report.ts))
-            ts = report.ts + offset
-        if not ts <= now + MAX_CLOCK_SKEW_S:  # also NaN (the offset is 0 here otherwise)
-            offset, ts = 0.0, now + MAX_CLOCK_SKEW_S
-        back = held.report.ts - ts if held is not None else 0.0
-        if held is not None and 0 < back <= MAX_REORDER_S:
-            self._reports[report.worker] = _Report(held.report, now, held.offset)
+        if held is None:
+            self._reports[report.worker] = _Report(report, now, report.ts)
             return None
-        if held is not None and back > 0:  # its clock stepped back: later stamps move forward by as much
-            offset += back
-            ts = held.report.ts
-        if ts != report.ts:
-            report = msgspec.structs.replace(report, ts=ts)
-        self._reports[report.worker] = _Report(report, now, offset)
+        back = held.report.ts - report.ts
+        if 0 < back <= MAX_REORDER_S:
+            self._reports[report.worker] = _Report(held.report, now, held.covers)
+            return None
+        if back > 0:  # its clock stepped back: what it held was judged on the stamps before the step
+            on_worker = self._by_worker.get(report.worker)
+            if on_worker is not None:
+                on_worker.drop_releases()
+        self._reports[report.worker] = _Report(report, now, max(report.ts, held.covers))
         return back if back > 0 else None
 
     def liveness(self, worker: str) -> Liveness | None:
@@ -353,7 +354,11 @@ class LoadView:
         now = self._clock()
         for booking in self._bookings_of(router, request_id):
             if booking.prefill_done_at is None and worker in (None, booking.worker):
-                self._by_worker[booking.worker].prefill_done(booking, now)
+                held = self._reports.get(booking.worker)
+                # Its clock is back behind a stamp it sent before: every report it sends until it passes
+                # that stamp was made after now, so none still counts the prompt as queued.
+                lagging = held is not None and held.report.ts < held.covers
+                self._by_worker[booking.worker].prefill_done(booking, now, release=not lagging)
 
     def free(self, request_id: str, *, router: str | None = None) -> None:
         """The request ended, whichever way: all its bookings go."""
@@ -461,7 +466,7 @@ class LoadView:
         if on_worker is None:
             return False
         held = self._reports.get(booking.worker)
-        on_worker.cover(held.report.ts if held is not None else _NO_REPORT)  # as load() would first
+        on_worker.cover(held.covers if held is not None else _NO_REPORT)  # as load() would first
         return (
             (booking.blocks_counted and booking.decode_blocks > 0)
             or (booking.prefill_counted and booking.prefill_tokens > 0)
@@ -512,7 +517,7 @@ class LoadView:
         prefill = blocks = released = requests = 0
         on_worker = self._by_worker.get(worker)
         if on_worker is not None:
-            on_worker.cover(held.report.ts if held is not None else _NO_REPORT)
+            on_worker.cover(held.covers if held is not None else _NO_REPORT)
             released = on_worker.released(held.report.ts) if held is not None else 0
             prefill, blocks, requests = on_worker.prefill, on_worker.blocks, on_worker.requests
             if not on_worker.bookings and not on_worker.holds_releases:

@@ -94,27 +94,48 @@ def test_what_a_report_covered_stays_covered_after_the_clock_steps_back(view: Lo
     view.update(report(ts=clock.now - 30.0, prefill_tokens_queued=0, kv_used_blocks=131))
     assert (view.load("w1").prefill_tokens_queued, view.load("w1").active_blocks) == (0, 131)
     clock.now += 1.0
-    view.book("r2", "w1", 500, 20)  # booked after the step: the worker's stamps, moved by it, cover it
+    view.book("r2", "w1", 500, 20)  # booked after the step: counted until its own clock passes the booking
     view.update(report(ts=clock.now - 30.0, prefill_tokens_queued=500, kv_used_blocks=131))
-    assert (view.load("w1").prefill_tokens_queued, view.load("w1").active_blocks) == (500, 151)
+    assert (view.load("w1").prefill_tokens_queued, view.load("w1").active_blocks) == (1000, 151)
 
 
-def test_a_request_booked_after_the_clock_steps_back_is_counted_once_by_the_report_that_counts_it(
+def test_a_request_booked_after_the_clock_steps_back_counts_until_the_workers_clock_passes_it(
     view: LoadView, clock: Clock
 ) -> None:
-    """Until 2026-12-08 the coverage stayed at the stamp before the step, so for as long as the step a
-    request booked after it counted twice: in the reports (running, KV blocks) and as a booking
-    (load audit: 10 min step, 2 requests read for 1, twice its blocks)."""
+    """No stamp from a stepped-back clock proves a report made after a booking until that clock passes
+    the booking: from 2026-12-08 its stamps were moved forward by the step, which a later forward
+    step or a slower delivery turned into stamps past their making, so a report made before a
+    booking covered it (load audit). Counting it twice meanwhile errs the safe way."""
     view.update(report(ts=clock.now, kv_total_blocks=1000))
     assert view.update(report(ts=clock.now - 600.0, kv_total_blocks=1000)) == pytest.approx(600.0)
     clock.now += 1.0
     view.book("r", "w1", 100, 50)
-    clock.now += 0.2
-    view.prefill_done("r")
+    booked = clock.now
     clock.now += 0.5
     view.update(report(ts=clock.now - 600.0, running=1, kv_used_blocks=50, kv_total_blocks=1000))
     load = view.load("w1")
+    assert (load.running, load.booked_requests, load.active_blocks, load.prefill_tokens_queued) == (1, 1, 100, 100)
+    view.prefill_done("r")
+    clock.now = booked + 600.9
+    view.update(report(ts=booked + 0.6, running=1, kv_used_blocks=50, kv_total_blocks=1000))
+    load = view.load("w1")
     assert (load.running, load.booked_requests, load.active_blocks, load.prefill_tokens_queued) == (1, 0, 50, 0)
+
+
+def test_a_clock_stepped_back_then_partly_forward_never_covers_a_booking_made_after_a_report(
+    view: LoadView, clock: Clock
+) -> None:
+    """Back 5 s, then NTP forward 1.2 s, reports 0.3 s on the way: the offset kept from the step put
+    every stamp 0.2 s past its making for good, and a report made 0.15 s before a booking covered it
+    (review of fa683ec)."""
+    for made, err in [(1000, 0.0), (1001, -5.0), (1002, -5.0), (1003, -3.8), (1004, -3.8), (1005, -3.8)]:
+        clock.now = made + 0.3
+        view.update(report(ts=made + err))
+    clock.now = 1006.15
+    view.book("r", "w1", 100, 5)
+    clock.now = 1006.3
+    view.update(report(ts=1006.0 - 3.8))
+    assert (view.load("w1").booked_requests, view.load("w1").prefill_tokens_queued) == (1, 100)
 
 
 def test_a_clock_that_steps_back_then_forward_again_sheds_its_offset(view: LoadView, clock: Clock) -> None:
@@ -494,8 +515,8 @@ class NaiveView:
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self.report_ts: dict[str, float] = {}  # the newest stamp taken, as moved by `offsets`
-        self.offsets: dict[str, float] = {}  # each worker's steps back
+        self.report_ts: dict[str, float] = {}  # the newest stamp taken: coverage
+        self.raw_ts: dict[str, float] = {}  # the stamp of the report held
         self.live: list[dict[str, Any]] = []
         self.arrivals: list[tuple[str, float, int]] = []  # (worker, at, prompt tokens) of every booking
 
@@ -511,15 +532,12 @@ class NaiveView:
                 b["done"] = self.clock.now
 
     def report(self, worker: str, ts: float) -> None:
-        """A stamp within MAX_CLOCK_SKEW_S of now. The offset comes off where it puts the stamp ahead of
-        now: down to what keeps it at the newest stamp, and never leaves it ahead of now."""
-        now, held, offset = self.clock.now, self.report_ts.get(worker), self.offsets.get(worker, 0.0)
-        if held is not None and ts + offset > now:
-            offset = max(0.0, min(offset, now - ts, held - ts))
-        if held is not None and held - (ts + offset) > MAX_REORDER_S:
-            offset = held - ts  # a step back: read as stamped with the newest stamp
-        if held is None or ts + offset >= held:
-            self.report_ts[worker], self.offsets[worker] = ts + offset, offset
+        """A stamp within MAX_CLOCK_SKEW_S of now: taken unless it is before the one held by at most
+        MAX_REORDER_S; coverage is the newest stamp taken."""
+        held = self.raw_ts.get(worker)
+        if held is None or not 0 < held - ts <= MAX_REORDER_S:
+            self.raw_ts[worker] = ts
+            self.report_ts[worker] = max(ts, self.report_ts.get(worker, ts))
 
     def drop(
         self, keys: Collection[tuple[str | None, str]] = (), worker: str | None = None, router: str | None = None
@@ -604,7 +622,7 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
         elif op == "remove":
             view.remove_worker(args[0])
             ref.report_ts.pop(args[0], None)
-            ref.offsets.pop(args[0], None)
+            ref.raw_ts.pop(args[0], None)
             ref.drop(worker=args[0])
             ref.arrivals = [a for a in ref.arrivals if a[0] != args[0]]
         elif op == "forget":
@@ -648,6 +666,53 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
             assert sorted(map(msgspec.structs.astuple, view.held(router))) == ref.held(router), (op, router)
             if router is not None:
                 assert view.keys(router) == {(r, w) for r, w, *_ in ref.held(router)}, (op, router)
+
+
+ORACLE_STEPS = st.lists(
+    st.tuples(
+        st.sampled_from([0.05, 0.2, 0.5, 1.0]),  # to the next report's making
+        st.one_of(st.none(), st.sampled_from([0.0, -0.4, -1.2, -2.5, -5.0, -20.0])),  # its clock set to
+        st.sampled_from([0.0, 0.01, 0.3, 0.6, 1.5]),  # its delivery delay
+        st.lists(st.floats(0.0, 1.0), max_size=2),  # bookings, as shares of the time to its arrival
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=ORACLE_STEPS)
+@example(steps=[(1.0, None, 0.3, []), (1.0, -5.0, 0.3, []), (1.0, None, 0.3, []), (1.0, -3.8, 0.3, []),
+                (1.0, None, 0.3, []), (1.0, None, 0.3, [0.5])])  # fmt: skip
+@example(steps=[(1.0, None, 1.5, []), (1.0, -2.5, 1.5, []), (1.0, None, 1.5, []), (1.0, 0.0, 1.5, []),
+                (1.0, None, 1.5, []), (1.0, None, 1.5, [0.9])])  # fmt: skip
+def test_no_booking_is_covered_by_reports_all_made_before_it(steps: list[tuple[Any, ...]]) -> None:
+    """An oracle independent of the rule: reports made at known times by a clock never ahead (stepped
+    back and forward), delivered late in their order. A booking stops counting only once a report
+    made at or after it has arrived: no stamp, moved or not, may pass its report's making (review of
+    fa683ec: an offset kept from a step back did, after a forward step or with a slow delivery)."""
+    clock = Clock(1000.0)
+    view = LoadView(clock=clock)
+    made, err, last_arrival = 1000.0, 0.0, 1000.0
+    events: list[tuple[float, float | None, float]] = []  # (arrives, made at (None: a booking), stamp)
+    for gap, new_err, delay, shares in steps:
+        made += gap
+        err = err if new_err is None else new_err
+        arrival = max(last_arrival, made + delay)  # one publisher: NATS keeps its order
+        events += [(last_arrival + share * (arrival - last_arrival), None, 0.0) for share in shares]
+        events.append((arrival, made, made + err))
+        last_arrival = arrival
+    booked: list[float] = []
+    newest_made = float("-inf")
+    for at, made_at, stamp in sorted(events, key=lambda e: (e[0], e[1] is None)):
+        clock.now = at
+        if made_at is None:
+            view.book(f"r{len(booked)}", "w1", 1, 0)
+            booked.append(at)
+        else:
+            view.update(report(ts=stamp))
+            newest_made = max(newest_made, made_at)
+        # made after every report that has arrived: no report counts it yet
+        assert view.load("w1").booked_requests >= sum(b > newest_made for b in booked)
 
 
 def test_many_short_requests_on_a_silent_worker_keep_the_sums_right(view: LoadView, clock: Clock) -> None:
