@@ -138,9 +138,11 @@ def test_a_clock_stepped_back_then_partly_forward_never_covers_a_booking_made_af
     assert (view.load("w1").booked_requests, view.load("w1").prefill_tokens_queued) == (1, 100)
 
 
-def test_a_clock_that_steps_back_then_forward_again_sheds_its_offset(view: LoadView, clock: Clock) -> None:
-    """Kept, the offset would put every stamp ahead of ours once NTP set the worker right again, and a
-    report made before a booking would cover it."""
+def test_a_clock_that_steps_back_then_forward_again_leaves_no_booking_covered_early(
+    view: LoadView, clock: Clock
+) -> None:
+    """Once NTP set the worker right again, a report made before a booking never covers it (an offset
+    kept from the step, as 5b236cb had, put every stamp ahead of ours)."""
     view.update(report(ts=clock.now))
     view.update(report(ts=clock.now - 600.0))
     clock.now += 1.0
