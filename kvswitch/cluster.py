@@ -86,6 +86,11 @@ STOP_GRACE_S = 35.0  # per tier of children at stop: the shim drains for 30 s at
 _START_ERRORS = (OSError, subprocess.SubprocessError, ServerError)
 
 
+def _why(exc: BaseException) -> str:
+    """A start error in a line: a ServerError says it all, another is named by its type."""
+    return str(exc) if isinstance(exc, ServerError) else f"{type(exc).__name__}: {exc}"
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     """When a child or server that exited is started again: `first_s` after its exit, doubling at
@@ -364,7 +369,9 @@ class LocalCluster:
         """Start the servers, the sims, the shims, then the routers. A start that fails stops what it
         started, unless `stop_if_failed` is False; one abandoned (`abandon_start`) never does. Both
         leave that to the caller's `stop`, which says each tier with what a second signal does and
-        returns the children it killed."""
+        returns the children it killed. It fails with a ServerError: an OSError or SubprocessError
+        (no process to fork, a directory that cannot be made) or etcd refusing its authentication
+        setup is wrapped in one."""
         self._stopping = False
         try:
             # Every port drawn in one draw, so that `kvswitch up`'s range check (`drawn_ports`: one
@@ -391,10 +398,13 @@ class LocalCluster:
             base = self.spec.http_port or base
             for i in range(self.spec.routers):
                 self._start_router(i, base + i)
-        except BaseException:
+        except BaseException as exc:
             if stop_if_failed and not self._abandon.is_set():
                 self.stop()
-            raise
+            if isinstance(exc, ServerError) or not isinstance(exc, (*_START_ERRORS, EtcdAuthError)):
+                raise
+            # One kind of failure for the caller to say in a line (`kvswitch up`), not a traceback.
+            raise ServerError(f"cannot start the cluster: {_why(exc)}") from exc
 
     def _start_pools(self, base: int) -> int:
         """Every pool's sims on the ports from `base`; the first port none of them took."""
@@ -601,7 +611,7 @@ class LocalCluster:
         assert self.spec.restart is not None  # a back-off ends only under a policy
         backoff.restart_at, backoff.started_at = None, now
         self._schedule(backoff, self.spec.restart, now)
-        return f"{type(exc).__name__}: {exc}" if not isinstance(exc, ServerError) else str(exc)
+        return _why(exc)
 
     def next_restart(self) -> float | None:
         """When the next restart is due (time.monotonic), None when none waits."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -25,9 +26,11 @@ from pathlib import Path
 import pytest
 
 import engine_sim
+import kvswitch.cluster
 import kvswitch.servers
 import kvswitch.up
 from kvswitch.cluster import ClusterSpec, LocalCluster
+from kvswitch.etcd_auth import EtcdAuthError
 from kvswitch.servers import FREE_PORTS_ENV, EtcdServer, NatsServer, ServerError, free_ports
 from kvswitch.up import _check_ports, _HealthLog, _spec
 from protocol import subjects
@@ -529,3 +532,47 @@ def test_a_start_that_fails_is_stopped_saying_what_a_second_signal_does(
     assert all(line.endswith(f"then killed{kvswitch.up._AGAIN})") for line in tiers), err
     assert "kvswitch up: router-0 failed to start\n" in err and err.endswith("kvswitch up: stopped\n"), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_etcd_refusing_its_auth_setup_at_start_is_said_in_one_line_exit_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An EtcdAuthError (--secure: etcd's auth/enable timed out) went past up's ServerError: a
+    # traceback, not "kvswitch up: ..." and exit 1.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise EtcdAuthError("etcd auth/enable at https://127.0.0.1:1: <urlopen error timed out>")
+
+    monkeypatch.setattr(kvswitch.cluster, "enable_auth", refused)
+    assert kvswitch.up.run(_up_args(["--secure", "--routers", "0"])) == 1
+    err = capsys.readouterr().err
+    said = "kvswitch up: cannot start the cluster: EtcdAuthError: etcd auth/enable at https://127.0.0.1:1: "
+    assert said in err and "Traceback" not in err and err.endswith("kvswitch up: stopped\n"), err
+    assert list(tmp_path.iterdir()) == []  # its TLS, secrets and servers' directories removed
+
+
+def test_no_process_to_fork_at_start_is_said_in_one_line_exit_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # fork's EAGAIN (an OSError out of Popen) was a traceback, NATS and etcd up.
+    def no_fork(self: LocalCluster, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(LocalCluster, "_popen", no_fork)
+    assert kvswitch.up.run(_up_args(["--agg", "1", "--routers", "0"])) == 1
+    err = capsys.readouterr().err
+    said = "kvswitch up: cannot start the cluster: BlockingIOError: [Errno 11] Resource temporarily unavailable\n"
+    assert said in err and "Traceback" not in err and err.endswith("kvswitch up: stopped\n"), err
+
+
+def test_a_start_error_not_a_server_error_is_wrapped_in_one_and_what_started_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The secrets directory (--secure's nkey seeds) cannot be made: an OSError from mkdtemp.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
+    cluster = LocalCluster(ClusterSpec(etcd_auth=True))
+    with pytest.raises(ServerError, match=r"^cannot start the cluster: FileNotFoundError: ") as caught:
+        cluster.start()
+    assert isinstance(caught.value.__cause__, FileNotFoundError)
+    assert cluster.nats is None and cluster.etcd is None
