@@ -760,18 +760,22 @@ class LocalCluster:
         self._forget()
 
     def _forget(self) -> None:
-        """Remove the cluster's directories; what ran in it is gone."""
-        self.children = []
-        self.etcd = self.nats = None
-        for made in (self.secrets_dir, self._scratch):
-            if made is not None:
-                shutil.rmtree(made, ignore_errors=True)
-        if self._scratch_fd is not None:
-            os.close(self._scratch_fd)
-        self.secrets_dir = self._scratch = self._scratch_fd = None
-        self.engines = []
-        self.router_urls = []
-        self._server_backoff = {}
+        """Remove the cluster's directories; what ran in it is gone. `kill` (a second signal) may run
+        it while `stop` does on another thread: each takes the fields under the lock, so the directories
+        are removed and the descriptor closed once (closed twice, it was EBADF, or another file's)."""
+        with self._lock:
+            made, fd = (self.secrets_dir, self._scratch), self._scratch_fd
+            self.secrets_dir = self._scratch = self._scratch_fd = None
+            self.children = []
+            self.etcd = self.nats = None
+            self.engines = []
+            self.router_urls = []
+            self._server_backoff = {}
+        for path in made:
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
+        if fd is not None:
+            os.close(fd)
 
     def healthy(self) -> bool:
         return self.health()[1]

@@ -875,6 +875,16 @@ def _taken(signals: set[signal.Signals]) -> str:
     return " and ".join(sig.name for sig in came)
 
 
+def _kill_everything(cluster: LocalCluster, tls_dir: str | None) -> None:
+    """A second signal while stopping exits at once, past `main`'s finally: take everything down.
+    The TLS directory (its CA key) is removed even when the kill fails."""
+    try:
+        cluster.kill()
+    finally:
+        if tls_dir is not None:
+            shutil.rmtree(tls_dir, ignore_errors=True)
+
+
 def _up(args: argparse.Namespace, spec: ClusterSpec) -> int:
     """Run the cluster `spec` until a signal (or its demo's end); run_service lets the stop signals
     through once it handles them (one that came before is its "stopped during start")."""
@@ -884,10 +894,7 @@ def _up(args: argparse.Namespace, spec: ClusterSpec) -> int:
     tls_dir: str | None = None
 
     def abort() -> None:
-        # A second signal while stopping exits at once, past `main`'s finally: take everything down.
-        cluster.kill()
-        if tls_dir is not None:
-            shutil.rmtree(tls_dir, ignore_errors=True)
+        _kill_everything(cluster, tls_dir)
 
     async def main(stop: asyncio.Event) -> int:
         nonlocal tls_dir

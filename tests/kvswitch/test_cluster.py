@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+import kvswitch.cluster
 from kvswitch.cluster import ClusterSpec, LocalCluster, _Child
 from kvswitch.servers import FREE_PORTS_ENV, ServerError, free_ports
 from tests.engine_sim.listening import listening
@@ -341,3 +342,46 @@ def test_stop_says_each_tier_as_it_starts_and_names_the_children_it_killed(
                 proc.wait()
             assert proc.stdout is not None
             proc.stdout.close()
+
+
+class _CloseHook:
+    """The os module as kvswitch.cluster sees it, its `close` calling `hook` first."""
+
+    def __init__(self, hook: Callable[[int], None]) -> None:
+        self._hook = hook
+
+    def close(self, fd: int) -> None:
+        self._hook(fd)
+        os.close(fd)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+
+def test_a_kill_while_stop_forgets_the_cluster_closes_and_removes_each_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `kvswitch up`'s second signal runs kill() on the loop thread while stop() runs on a worker:
+    # both checked the scratch directory's descriptor, closed it, then cleared it, unlocked. The
+    # kill here comes just as stop's close does: the second close was EBADF (out of kill, so up's
+    # abort left the TLS directory), or closed another file that took the number meanwhile.
+    cluster = LocalCluster(ClusterSpec())
+    scratch = cluster._scratch_dir()
+    fd = cluster._scratch_fd
+    cluster.secrets_dir = tmp_path / "secrets"
+    cluster.secrets_dir.mkdir()
+    closed: list[int] = []
+    killing = threading.Thread(target=cluster.kill)
+
+    def kill_first(fd: int) -> None:
+        closed.append(fd)
+        if killing.ident is None:  # the first close: stop's
+            killing.start()
+            killing.join(10)
+
+    monkeypatch.setattr(kvswitch.cluster, "os", _CloseHook(kill_first))
+    assert cluster.stop() == []
+    assert not killing.is_alive()
+    assert closed == [fd]
+    assert not scratch.exists() and not (tmp_path / "secrets").exists()
+    assert cluster._scratch is None and cluster._scratch_fd is None

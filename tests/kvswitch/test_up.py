@@ -24,7 +24,7 @@ import yaml
 
 from kvswitch.cluster import ClusterSpec, LocalCluster, _Child
 from kvswitch.servers import EtcdServer, NatsServer, ServerError, free_port, free_ports
-from kvswitch.up import _AGAIN, _HealthLog, _spec, add_arguments
+from kvswitch.up import _AGAIN, _HealthLog, _kill_everything, _spec, add_arguments
 from protocol.timing import speed_profile
 
 
@@ -858,3 +858,19 @@ def test_secure_with_no_workers_copies_the_router_config_as_checked_though_the_f
         assert settings == {"max_body_bytes": 1048576}
     finally:
         cluster.stop()
+
+
+def test_a_second_signal_removes_the_tls_directory_even_when_the_kill_fails(tmp_path: Path) -> None:
+    # up's abort removed the TLS directory (its CA key) only after cluster.kill() returned: a kill
+    # that raised (EBADF, racing the stop's cleanup on its thread) left it in $TMPDIR.
+    tls = tmp_path / "kvswitch-tls-x"
+    tls.mkdir()
+    (tls / "ca.key").write_text("secret")
+
+    class Failing(LocalCluster):
+        def kill(self) -> None:
+            raise OSError(9, "Bad file descriptor")
+
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        _kill_everything(Failing(ClusterSpec()), str(tls))
+    assert not tls.exists()
