@@ -549,10 +549,11 @@ class LocalCluster:
             for child in self.children:
                 if not child.backoff.noted and child.proc.poll() is not None:
                     exits.append((child.name, child.died(), child.backoff))
-            for name, died in self.dead_servers():
+            servers = dict(self.servers())
+            for name in self.dead_server_names():
                 backoff = self._server_backoff.setdefault(name, _Backoff())
-                if not backoff.noted:
-                    exits.append((name, died, backoff))
+                if not backoff.noted:  # its log read once an exit, not each tick it stays dead
+                    exits.append((name, _died(name, servers[name]), backoff))
             for _, _, backoff in exits:
                 backoff.noted = True
                 if self.spec.restart is not None and not self._stopping:
@@ -812,15 +813,8 @@ class LocalCluster:
     def dead_servers(self) -> list[tuple[str, str]]:
         """(name, its address, exit status and last lines of output) of each server that exited on
         its own."""
-        dead = []
         servers = dict(self.servers())
-        for name in self.dead_server_names():
-            server = servers[name]
-            assert server.proc is not None
-            tail = server.log_tail(12).splitlines()
-            said = "; its last output:\n    " + "\n    ".join(tail) if tail else ""
-            dead.append((name, f"{name} {server.url} (status {server.proc.returncode}{said})"))
-        return dead
+        return [(name, _died(name, servers[name])) for name in self.dead_server_names()]
 
     def health(self) -> tuple[str, bool]:
         """One probe of every server and child: the health line, and whether all are up."""
@@ -918,6 +912,14 @@ def _answers(url: str) -> bool:
             return bool(resp.status == 200)
     except PROBE_ERRORS:
         return False
+
+
+def _died(name: str, server: NatsServer | EtcdServer) -> str:
+    """A server that exited: its name, address, exit status and last lines of output."""
+    assert server.proc is not None
+    tail = server.log_tail(12).splitlines()
+    said = "; its last output:\n    " + "\n    ".join(tail) if tail else ""
+    return f"{name} {server.url} (status {server.proc.returncode}{said})"
 
 
 def _members_state(up: list[bool]) -> str:

@@ -80,6 +80,7 @@ __all__ = [
 _PR_SET_PDEATHSIG = 1
 FREE_PORTS_ENV = "KVSWITCH_FREE_PORTS"
 PORTS_DIR_ENV = "KVSWITCH_PORTS_DIR"
+_TAIL_BYTES = 16384  # of a server's log read for its last lines (`log_tail`)
 log = logging.getLogger("kvswitch.servers")
 
 
@@ -634,10 +635,17 @@ class _Server:
         return self.proc.pid if self.proc is not None else None
 
     def log_tail(self, lines: int = 20) -> str:
+        """The last `lines` of its log, from its last `_TAIL_BYTES` only: a long-running server's log
+        grows without bound, and the tail is read on `kvswitch up`'s event loop."""
         try:
-            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
+            with self._log_path.open("rb") as out:
+                start = max(0, out.seek(0, os.SEEK_END) - _TAIL_BYTES)
+                out.seek(start)
+                said = out.read().decode(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        whole = said[1:] if start else said  # a line cut at `start` is not one it wrote
+        return "\n".join(whole[-lines:])
 
     def __enter__(self) -> Self:
         return self.start()

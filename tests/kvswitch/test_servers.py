@@ -454,3 +454,33 @@ def test_a_probe_answered_by_another_process_on_its_port_times_out_saying_so(
         said = str(err.value)
         assert said.startswith("etcd not ready after 1s: its health probe is answered, but not by its own process")
         assert f"port {other.port} is held by pid {other.pid} (" in said, said
+
+
+def _chars_read() -> int:
+    """What this process has read from files and pipes so far (Linux's rchar)."""
+    io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(io["rchar"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="counts what is read through /proc/self/io")
+def test_a_servers_log_tail_reads_the_end_of_its_log_only(tmp_path: Path) -> None:
+    # The whole log was read for its last lines, on kvswitch up's event loop (a dead server's at
+    # each health check): a long-running server's log is hundreds of MB.
+    log = tmp_path / "nats-0.log"
+    with log.open("wb") as out:
+        out.truncate(64 << 20)  # a long log, sparse: nothing to write
+        out.seek(0, os.SEEK_END)
+        out.write(b"x" * 99 + b"\n" + b"".join(b"line %d\n" % i for i in range(30)))
+    server = servers._Server(tmp_path, log)
+    before = _chars_read()
+    tail = server.log_tail(3)
+    read = _chars_read() - before
+    assert tail == "line 27\nline 28\nline 29"
+    assert read < 1 << 20, f"{read} bytes read for its last 3 lines"
+
+
+def test_a_servers_log_tail_gives_no_line_cut_where_its_read_starts(tmp_path: Path) -> None:
+    log = tmp_path / "etcd-0.log"
+    log.write_bytes((b"y" * 99 + b"\n") * 1000)  # read from part way through a line
+    lines = servers._Server(tmp_path, log).log_tail(1000).splitlines()
+    assert 0 < len(lines) < 1000 and set(lines) == {"y" * 99}

@@ -18,6 +18,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -64,6 +65,37 @@ def test_a_server_that_dies_is_said_once_with_its_status_and_last_words_and_its_
         cluster.stop()
     assert "Starting nats-server" in (tmp_path / "nats-0.log").read_text()
     assert (tmp_path / "etcd-0.log").exists()
+
+
+def test_a_dead_servers_log_is_read_once_not_at_every_health_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # note_exits built every dead server's "died" text, its log read, before checking whether that
+    # exit was noted already: a server given up (or under --no-restart) had its log read again at
+    # every tick of up's event loop.
+    cluster = LocalCluster(ClusterSpec(log_dir=tmp_path, restart=None))
+    try:
+        cluster.start()  # the servers alone
+        assert cluster.nats is not None
+        nats = cluster.nats.nodes[0]
+        assert nats.proc is not None
+        nats.proc.kill()
+        nats.proc.wait(10)
+        tails: list[str] = []
+        log_tail = NatsServer.log_tail
+
+        def counted(self: NatsServer, lines: int = 20) -> str:
+            tails.append(self.name)
+            return log_tail(self, lines)
+
+        monkeypatch.setattr(NatsServer, "log_tail", counted)
+        [(name, died, _)] = cluster.note_exits(time.monotonic())
+        assert name == "nats-0" and died.startswith(f"nats-0 {nats.url} (status -9; its last output:"), died
+        for _ in range(10):
+            assert cluster.note_exits(time.monotonic()) == []
+        assert tails == ["nats"]
+    finally:
+        cluster.stop()
 
 
 class _Ready(BaseHTTPRequestHandler):
