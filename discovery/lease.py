@@ -249,16 +249,19 @@ class Lease:
         if self._gone:
             return True
         self._state = LeaseState.REVOKED
+        defect: Exception | None = None
         try:
             failure = await self._revoke_renewing(timeout)
+        except (grpc.RpcError, EtcdError, OSError) as exc:  # etcd's failure, raised (TimeoutError an OSError)
+            failure = exc
         except Exception as exc:  # the defect that ended its keep-alive may stand here too (_keep_alive)
             # said, not raised: raised, it failed each round's release before registering anew, never
             # waiting out the lease, and stop() raised (review of 2026-12-08)
-            failure = exc
+            failure = defect = exc
         # or revoke_now (a second SIGTERM) revoked it while this one waited on etcd
         self._gone = self._gone or failure is None
         if failure is not None and not self._gone:
-            self._say_unrevoked(said(failure))
+            self._say_unrevoked(said(failure), defect)
         return self._gone
 
     async def _revoke_renewing(self, timeout: float) -> BaseException | None:
@@ -271,8 +274,18 @@ class Lease:
             failure = await self._revoke(timeout)
         return failure
 
-    def _say_unrevoked(self, why: str) -> None:
-        log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, why, self.ttl)
+    def _say_unrevoked(self, why: str, defect: Exception | None = None) -> None:
+        if defect is None:
+            log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, why, self.ttl)
+            return
+        # a defect, not etcd: its traceback, or a programming error reads as etcd's (review of 2026-12-08)
+        log.error(
+            "lease %s: revoke failed (%s), an unexpected error, not etcd's; it expires within %ss",
+            self.hex_id,
+            why,
+            self.ttl,
+            exc_info=defect,
+        )
 
     def revoke_now(self, timeout: float = 1.0) -> None:
         """Revoke without the event loop, for a process about to exit at once (a second SIGTERM):

@@ -79,6 +79,27 @@ async def test_a_revoke_etcd_never_answers_says_what_failed(ns: str, caplog: pyt
         etcd.close()
 
 
+async def test_a_defect_raised_by_a_revoke_is_said_with_its_traceback(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A programming error raised by the first revoke of a healthy lease was said in one WARNING
+    worded as etcd's failure, without its traceback (review of 2026-12-08)."""
+
+    async def typo(self: Lease, timeout: float) -> BaseException | None:
+        raise TypeError("revoke() got an unexpected keyword argument 'max_attempt'")
+
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        lease = await d.grant(ttl=5)
+        monkeypatch.setattr(Lease, "_revoke", typo)
+        with caplog.at_level(logging.WARNING, logger="discovery.lease"):
+            assert await lease.revoke() is False
+        monkeypatch.undo()
+        assert await lease.revoke() is True
+    [record] = [r for r in caplog.records if "revoke failed" in r.getMessage()]
+    assert record.levelno == logging.ERROR and "an unexpected error" in record.getMessage()
+    assert record.exc_info is not None and record.exc_info[0] is TypeError
+
+
 async def test_a_revoke_says_the_lease_went(etcd_url: str, ns: str) -> None:
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
         lease = await d.grant(ttl=5)
