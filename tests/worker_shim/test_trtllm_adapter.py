@@ -79,6 +79,21 @@ def test_a_restart_ends_the_fold_and_the_new_run_folds_next_from_a_complete_rese
     assert (tracker.restarts, tracker.gaps, tracker.ignored, norm.stats.unknown_parent) == (1, 0, 2, 0)
 
 
+@pytest.mark.parametrize("start", ["created", "stored"])
+def test_ids_going_back_right_after_a_held_over_run_reset_complete_only_from_created_0(start: str) -> None:
+    """After a restart's held-over events (`after_held`), ids going back are the engine now at the
+    URL starting: a reset (complete only from its created event 0), no second restart. Until
+    2026-12-08 a restart, whose events the adapter held over again."""
+    tracker = TrtllmEventTracker()
+    tracker.fold(load("kv_cache_events_poll1.json"))
+    run3 = (
+        [CREATED, stored(1, None, (31, [4, 4, 4, 4]))] if start == "created" else [stored(3, None, (31, [4, 4, 4, 4]))]
+    )
+    batch = tracker.fold(run3, after_held=True)
+    assert batch.reset and batch.complete is (start == "created") and len(batch.events) == 1
+    assert (tracker.restarts, tracker.next_run, tracker.last_id) == (0, [], 1 if start == "created" else 3)
+
+
 def _tok(ids: list[int]) -> list[dict[str, int | str]]:
     return [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in ids]
 

@@ -487,6 +487,64 @@ async def test_the_new_runs_events_the_restart_poll_drained_open_the_next_sessio
     assert (adapter.tracker.restarts, adapter.tracker.ignored, adapter.tracker.partial) == (1, 0, 0)
 
 
+@pytest.mark.parametrize("run3", ["answers", "fresh"])
+async def test_another_engine_taking_the_url_after_a_restart_starts_the_next_session_afresh(run3: str) -> None:
+    """A restart's held-over run (run 2) opens the next session, but another engine (run 3) took the
+    URL meanwhile, /health never down: its first poll's ids go back right after them. Until
+    2026-12-08 the held-over events set `live` and `answered`, and that step back was a second
+    EngineRestarted (run 2's blocks published as exact, the session ended, restarts counted twice);
+    a fresh run 3's 500 was a plain EngineError, not EngineCold. Now it is a reset, complete from
+    run 3's created event 0, the session's state run 3's."""
+    reads: list[list[Any]] = [[STATS]]
+    polls: list[list[Any] | None] = [[CREATED, stored(1, None, (11, [1] * TPB))]]  # None: a 500
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response(reads.pop(0) if reads else [])
+
+    async def kv_cache_events(request: web.Request) -> web.Response:
+        answer = polls.pop(0) if polls else []
+        return web.Response(status=500) if answer is None else web.json_response(answer)
+
+    a, b, c = [2] * TPB, [3] * TPB, [4] * TPB
+    routes = {"/metrics": metrics, "/health": _ok, "/kv_cache_events": kv_cache_events}
+    async with _engine(routes) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+            await adapter.limits()
+            first = asyncio.create_task(adapter.run_events(collector([]), asyncio.Event()))
+            await until(lambda: adapter.tracker.last_id == 1, 5, "run 1's events")
+            polls.append([stored(2, 11, (12, [5] * TPB)), CREATED, stored(1, None, (21, a)), stored(2, 21, (22, b))])
+            with pytest.raises(EngineRestarted, match="went back from 2 to 0"):
+                await asyncio.wait_for(first, 5)
+            assert await adapter.health() is EngineHealth.UP  # never down: the run held over is kept
+            polls.append([CREATED, stored(1, None, (31, c))] if run3 == "answers" else None)
+            reads.append([STATS])
+            await adapter.limits()
+            got: list[EngineBatch] = []
+            live = asyncio.Event()
+            task = asyncio.create_task(adapter.run_events(collector(got), live))
+            if run3 == "fresh":
+                with pytest.raises(EngineCold):
+                    await asyncio.wait_for(task, 5)
+                assert not live.is_set()
+                return
+            await until(lambda: task.done() or (live.is_set() and adapter.tracker.last_id == 1), 5, "run 3's events")
+            assert not task.done(), task.exception()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            await adapter.close()
+    norm = Normaliser(TPB)
+    for batch in got:
+        if batch.reset:
+            norm.reset(exact=batch.complete)
+        norm.apply(batch.events)
+    assert norm.canonical_hashes() == set(block_hashes(c, TPB)) and norm.exact
+    assert adapter.tracker.restarts == 1
+
+
 async def test_held_limits_go_with_a_fresh_engines_500_and_an_engine_gone() -> None:
     """An events poll answered 500 (a fresh engine's stream) or failing on the transport (the
     engine gone) drops the limits held: the engine next behind the URL may have others."""

@@ -21,8 +21,9 @@
   events poll failing on the transport or answered 500 (a fresh engine), or event ids that start
   over (a restart) drop them. Ids that start over also end the session (EngineRestarted, before any
   of the new run is delivered); the new run's events that poll drained are the next session's first
-  (folded with its limits), unless the engine may be another by then. Limits read anew start the
-  ids' comparison over. A load read of []
+  (folded with its limits; no answer of its engine), unless the engine may be another by then: ids
+  going back on its first poll after them are that engine's start, a reset. Limits read anew start
+  the ids' comparison over. A load read of []
   (no iteration since the last read, or a buffered /metrics not refilled until a request finishes)
   is the last load, marked stale. Both endpoints drain what they return: the shim must be their only
   reader. Without `return_perf_metrics` trtllm-serve answers `/metrics` only once 2 s pass with no
@@ -521,11 +522,15 @@ class TrtllmAdapter(HttpEngineAdapter):
         """EngineCold for a 500 before the first answer (a trtllm-serve that has served nothing)."""
         await sink(EngineBatch(reset=True, complete=False))  # what the engine cached before this reader is unknown
         self._polled_at = time.monotonic()
-        answered = False
+        # The held-over events are no answer of the engine now at the URL: until 2026-12-08 they set
+        # `live` and `answered`, and ids going back right after them ended this session too.
+        answered = after_held = False
         try:
             while True:
+                # the new run's events the restart poll drained (no replay): folded first, with this session's limits
+                held, self._next_run = self._next_run, []
                 try:
-                    events = await self._next_events()
+                    events = held or await self._poll_events()
                 except _NoJson as exc:
                     batch = self.tracker.lost(exc.message, "no JSON")
                 except EngineError as exc:
@@ -543,7 +548,8 @@ class TrtllmAdapter(HttpEngineAdapter):
                     raise
                 else:
                     restarts = self.tracker.restarts
-                    batch = self.tracker.fold(events)  # malformed events: counted, logged once, dropped
+                    # malformed events: counted, logged once, dropped
+                    batch = self.tracker.fold(events, after_held=after_held)
                     if self.tracker.restarts != restarts and self.tracker.went_back is not None:
                         # Another engine run, maybe with other limits: the session ends (as the ZMQ
                         # engines' do) and the next reads them anew. Until 2026-12-08 the stream was
@@ -552,21 +558,15 @@ class TrtllmAdapter(HttpEngineAdapter):
                         self._next_run = self.tracker.next_run  # no replay: the next session's first
                         old, new = self.tracker.went_back
                         raise EngineRestarted("trtllm", f"its KV event ids went back from {old} to {new}")
-                answered, self._polled_at = True, time.monotonic()
-                live.set()
+                after_held = bool(held)
+                if not held:
+                    answered, self._polled_at = True, time.monotonic()
+                    live.set()
                 if batch.events or batch.reset:
                     await sink(batch)
                 await asyncio.sleep(POLL_S)
         finally:
             self._polled_at = None
-
-    async def _next_events(self) -> Any:
-        """The new run's events that the poll which ended the last session drained (folded now,
-        with this session's limits), else a poll's answer."""
-        if self._next_run:
-            events, self._next_run = self._next_run, []
-            return events
-        return await self._poll_events()
 
     async def _poll_events(self) -> Any:
         """One poll's answer, however long the engine holds it (said once past EVENTS_HELD_SAY_S)."""

@@ -19,7 +19,8 @@ from it on are the new run's, kept in `next_run` (the engine handed them over on
 adapter ends the session and folds them first in the next (TrtllmAdapter.run_events), where they
 start from a complete reset at `created` event 0. Until 2026-12-08 they were folded into the
 batch the ended session dropped: the next session's state stayed partial and blocks stored under
-them had an unknown parent. The start is the
+them had an unknown parent. A step back right after them (`after_held`: another engine took the
+URL since) is a reset, complete from its `created` event 0, not another restart. The start is the
 engine's `created` events, one per attention window size: a model with sliding-window layers
 (VSWA) has one per window, numbered on, and caches each block once per window. Only the largest
 window's blocks hold a prompt's whole prefix, so only its `stored` and `removed` events are
@@ -200,9 +201,11 @@ class TrtllmEventTracker:
     _logged: set[str] = field(default_factory=set)
     _after_lost: bool = False  # a poll's answer was lost since the last event: reset already
 
-    def fold(self, events: Any) -> EngineBatch:
+    def fold(self, events: Any, *, after_held: bool = False) -> EngineBatch:
         """One poll's events up to a restart (the rest in `next_run`); raises ConfigError once they
-        come from a second attention-DP rank."""
+        come from a second attention-DP rank. `after_held`: the fold before was a restart's held-over
+        events, and this poll is the first answer of the engine whose limits the session read: ids
+        going back are that engine's start, a reset, not another restart."""
         batch = EngineBatch()
         self.next_run = []
         if not isinstance(events, list):
@@ -222,7 +225,18 @@ class TrtllmEventTracker:
                 raise attention_dp_error(self.ranks)
             data = ev.get("data")
             kind = data.get("type") if isinstance(data, dict) else None
-            if self.last_id is not None and eid <= self.last_id:
+            if self.last_id is not None and eid <= self.last_id and after_held:
+                # Until 2026-12-08 a second restart: the session ended again, having published the
+                # held-over run's blocks as exact with this engine's block size.
+                log.info(
+                    "KV event ids went back from %d to %d right after the events held over from the last restart: "
+                    "another engine took the URL since; its events start the state afresh",
+                    self.last_id,
+                    eid,
+                )
+                self.last_id, self.window = None, None
+                self._reset(batch, complete=False)  # complete from its created event 0 (_step)
+            elif self.last_id is not None and eid <= self.last_id:
                 # Another engine run: its events are for the next fold, its ids compared with its own.
                 self.restarts += 1
                 self.went_back = (self.last_id, eid)
