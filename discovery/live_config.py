@@ -127,6 +127,8 @@ class ConfigWatcher:
                 case Put(name="", value=value):
                     if self._apply(value):
                         yield self.current
+                # Defensive: watch_key's parser takes any bytes, and a value too large to read
+                # breaks the stream (a re-read, a Snapshot skipping it), so none comes today.
                 case Deleted(name="", why=why) if why:
                     self._refused(why)
                 case Deleted(name=""):

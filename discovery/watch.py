@@ -68,6 +68,10 @@ class _Closed(Exception):
     """The etcd client was closed under a watch: it ends."""
 
 
+class _Unconfirmed(Exception):
+    """The read confirming a watch's created answer failed (why): the watch is made again at once."""
+
+
 @contextlib.contextmanager
 def _unless_closed(client: Etcd3Client) -> Iterator[None]:
     """A call cut by the client's close: gRPC cancels a closed channel's calls, a CancelledError in
@@ -178,10 +182,11 @@ async def watch_prefix(
     latest = 0  # the highest revision etcd has shown this watch: one lower means its data was replaced
     cancelled = ""  # why etcd cancelled the watch last, said once until a watch works again
     silent = False  # a watch went unanswered, said once until one is answered again
+    unconfirmed = False  # the last watch broke as its confirming read failed (_went_back)
     while True:
         try:
             revision, kvs, too_large = await read_retried(
-                _PagedRead(client, start, end, _waits(silent and hurry)),
+                _PagedRead(client, start, end, _waits((silent or unconfirmed) and hurry)),
                 f"watch {prefix}",
                 errors=(EtcdError, TimeoutError, grpc.aio.AioRpcError),
                 first_s=retry_s,
@@ -199,7 +204,7 @@ async def watch_prefix(
                 latest,
                 revision,
             )
-        latest = revision
+        latest, unconfirmed = revision, False
         items: dict[str, V] = {}
         skipped: dict[str, str] = {}
         creations: dict[str, int] = {}
@@ -238,7 +243,7 @@ async def watch_prefix(
                     silent = False
                 if wr.created:
                     # etcd's revision went back since the read: changes may be missed.
-                    if wr.header.revision < latest and await _went_back(client, start, latest):
+                    if wr.header.revision < latest and await _went_back(client, start, latest, failed):
                         log.info("watch %s: made again; re-reading", prefix)
                         break
                     if cancelled:
@@ -274,6 +279,11 @@ async def watch_prefix(
         except (EtcdError, grpc.aio.AioRpcError) as exc:
             failed(exc)
             log.warning("watch %s: %s; re-reading", prefix, said(exc))
+        except _Unconfirmed as exc:
+            # No sleep, short waits: the member the read went to may be hung, the next pick not.
+            log.info("watch %s: made again, as %s; re-reading at once", prefix, exc)
+            unconfirmed = True
+            continue
         except _Closed:
             log.info("watch %s: the etcd client was closed; the watch ends", prefix)
             return
@@ -315,21 +325,32 @@ async def _stream(client: Etcd3Client, start: bytes, end: bytes, revision: int) 
         call.cancel()
 
 
-async def _went_back(client: Etcd3Client, key: bytes, latest: int) -> bool:
+async def _went_back(client: Etcd3Client, key: bytes, latest: int, failed: Callable[[BaseException], None]) -> bool:
     """Whether etcd's revision is below `latest` now, by a linearizable read. A watch's created
     answer below it most often comes from a member a few ms behind the one the read asked, whose
     watch still brings every change once it catches up: before a review of 2026-12-08 that was
     taken for data replaced, re-read and a second Snapshot (20 of 150 watches, 3 members under
-    puts). A read that fails says True: re-reading is always safe."""
+    puts). The watch passes nothing on meanwhile, so the read tries a silent stream's re-read's
+    short waits (_waits), SILENT_S in all at most, where its full 5 s wait on a hung member held
+    the changes back 5 s and more (review of 2026-12-08); _Unconfirmed once it fails (re-reading is safe)."""
     kv = client.kv
     if kv is None:
         raise _Closed
-    try:
-        with _unless_closed(client):
-            resp = await kv.get(key, count_only=True, timeout=READ_S)
-    except (EtcdError, TimeoutError, grpc.aio.AioRpcError):
-        return True
-    return bool(resp.header.revision < latest)
+    left, tries = SILENT_S, 0
+    for wait in _waits(True):
+        if wait > left:
+            break
+        left, tries = left - wait, tries + 1
+        try:
+            with _unless_closed(client):
+                resp = await kv.get(key, count_only=True, timeout=wait)
+        except TimeoutError:
+            continue
+        except (EtcdError, grpc.aio.AioRpcError) as exc:
+            failed(exc)
+            raise _Unconfirmed(f"the read confirming etcd's revision failed ({said(exc)})") from exc
+        return bool(resp.header.revision < latest)
+    raise _Unconfirmed(f"the read confirming etcd's revision went unanswered ({tries} tries, {SILENT_S - left:.2f} s)")
 
 
 async def read_retried(

@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
+from etcd3aio import EtcdError
 
 import discovery.watch as watch_module
 from discovery import Discovery, Put, Snapshot
@@ -78,3 +79,53 @@ async def test_a_watch_created_where_etcds_revision_went_back_reads_anew(
         assert counts, "no confirming read"
         await watch.aclose()
     assert f"watch /{ns}/w/: made again; re-reading" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("error", "said", "waits"),
+    [
+        (TimeoutError, "went unanswered (5 tries, 2.25 s)", [0.25, 0.25, 0.25, 0.5, 1.0]),
+        (EtcdError, "failed (EtcdError: refused)", [0.25]),
+    ],
+)
+async def test_a_confirming_read_that_fails_reads_anew_at_once_in_short_waits(
+    etcd_url: str,
+    ns: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    error: type[Exception],
+    said: str,
+    waits: list[float],
+) -> None:
+    """The confirming read on a hung member: until a review of 2026-12-08 it waited 5 s, the watch
+    passing nothing on, then slept 0.5 s and re-read in 5 s waits, why unsaid; now it tries short
+    waits (SILENT_S in all at most), says why it failed, and re-reads at once in short waits."""
+    caplog.set_level(logging.INFO, logger="discovery.watch")
+    _first_created_behind(monkeypatch)
+    prefix = f"/{ns}/w/"
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        await d.put_raw(f"{prefix}a", b"1")
+        assert d.client.kv is not None
+        real_get = d.client.kv.get
+        counts: list[float] = []
+        pages: list[float] = []
+
+        async def failing(key: bytes, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("count_only"):
+                counts.append(kwargs["timeout"])
+                raise error("refused")  # a timeout: its wait spent unanswered
+            if key == prefix.encode():
+                pages.append(kwargs["timeout"])
+            return await real_get(key, *args, **kwargs)
+
+        monkeypatch.setattr(d.client.kv, "get", failing)
+        watch = watch_module.watch_prefix(d.client, prefix, lambda raw: raw, retry_s=60)
+        assert isinstance(await asyncio.wait_for(anext(watch), 5), Snapshot)
+        again = await asyncio.wait_for(anext(watch), 10)  # not after retry_s
+        assert isinstance(again, Snapshot) and set(again.items) == {"a"}
+        await watch.aclose()
+    assert counts == waits, "the confirming read's waits"
+    assert pages == [5.0, 0.25], "the re-read's first wait: short after the confirming read failed"
+    assert (
+        f"watch {prefix}: made again, as the read confirming etcd's revision {said}; re-reading at once" in caplog.text
+    )
