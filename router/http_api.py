@@ -45,9 +45,10 @@ clients read is a 503 with Retry-After, one larger than it a 400 saying what the
 Draining (`Drain`, on SIGTERM): the listener stays open while the requests in flight finish; a new
 request (anything but /health, /ping, /ready and /metrics) is a 503 with Retry-After and Connection:
 close. Those still running when the drain ends are cut: a stream gets a final 503 error event and
-`[DONE]`, any other request a 503, and their legs are cancelled on the workers. One cut while a
-write waits for its client, its last or one before it (its head went out, so no 503 can follow,
-and its error event would wait behind that write), has its connection aborted, counted 503.
+`[DONE]`, any other request a 503, and their legs are cancelled on the workers. A stream's client
+has up to _CUT_S (1 s) to take what was queued for it, that error event and `[DONE]`; one that
+reads no more in that time, or a stream cut in its last write or its chunks' close, has its
+connection aborted (its head went out, so no 503 can follow), counted 503.
 """
 
 from __future__ import annotations
@@ -286,6 +287,17 @@ async def _sent(request: web.Request, data: bytes, write: Callable[[bytes], Awai
     return True
 
 
+async def _resumed(request: web.Request, deadline: float) -> bool:
+    """Whether the transport's writing resumed (or its connection was lost) before `deadline`.
+    Polled: aiohttp tells only its own drain waiter, which the cut left cancelled."""
+    while request.transport is not None and request.protocol.writing_paused:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(_RESUME_POLL_S)
+    return True
+
+
+_RESUME_POLL_S = 0.01  # only for a stream the drain cut, in its last second
 _FRAMING = 32  # chunked encoding's size line and CRLFs around a write
 _SSE_DONE = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499  # nginx's code for a client that left before the answer: counted, never sent
@@ -301,7 +313,6 @@ class Drain:
         self.draining = False
         self._running: set[asyncio.Task[Any]] = set()
         self._cut: set[asyncio.Task[Any]] = set()
-        self._ended: set[asyncio.Task[Any]] = set()  # cut, their cut taken (ended())
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -325,18 +336,13 @@ class Drain:
 
     def ended(self) -> bool:
         """In a handler's `except CancelledError`: True when the drain cut it, which then goes on to
-        answer (its cancellation undone); False when its client left. True again for the cut raised
-        again with no new cancel pending, by a future the cut cancelled and its owner kept: aiohttp's
-        write awaits its drain waiter, so a write after one cut mid-write raises the cut at once."""
+        answer (its cancellation undone); False when its client left."""
         task = asyncio.current_task()
-        if task is None:
+        if task is None or task not in self._cut:
             return False
-        if task in self._cut:
-            self._cut.discard(task)
-            self._ended.add(task)
-            task.uncancel()
-            return True
-        return task in self._ended and not task.cancelling()
+        self._cut.discard(task)
+        task.uncancel()
+        return True
 
     @staticmethod
     def refusal() -> web.Response:
@@ -349,7 +355,6 @@ class Drain:
 
     def leave(self, task: asyncio.Task[Any]) -> None:
         self._running.discard(task)
-        self._ended.discard(task)
         if not self._running:
             self._idle.set()
 
@@ -836,9 +841,8 @@ class _Handlers:
         except asyncio.CancelledError:
             if not self.drain.ended():
                 raise
-            # Cut in its last write or its chunks' close, or in a write before whose bytes its last
-            # waits behind (that write raises the cut again), where no error event can follow: its
-            # head went out, so no 503 can either (before, aiohttp wrote one as a second head).
+            # Cut in its last write or its chunks' close, where no error event can follow: its head
+            # went out, so no 503 can either (before, aiohttp wrote one as a second head).
             _abort(request)
             return resp, 503, SHUT_DOWN
         return resp, status, why
@@ -858,6 +862,7 @@ class _Handlers:
         why = ""  # a worker's failure, said once at WARNING (a bug is said with its traceback)
         refused = False  # the engine refused the request (the client's fault): said at INFO
         unread = False  # the client took nothing more before the deadline
+        cut_by: float | None = None  # cut by the drain's end: its last write's deadline (_CUT_S)
         try:
             # The events one worker chunk carries go out in one write (one send, one drain).
             while True:
@@ -889,6 +894,7 @@ class _Handlers:
             if not self.drain.ended():
                 raise
             failed = ApiError(503, SHUT_DOWN)
+            cut_by = min(job.deadline, time.monotonic() + _CUT_S)
         finally:
             await chunks.aclose()
         if unread:
@@ -910,7 +916,15 @@ class _Handlers:
                 )
             out.append(_sse_event(failed.own_body or _JSON.encode(failed.body())))
         out.append(_SSE_DONE)
-        if not await _sent(request, b"".join(out), resp.write_eof, job.deadline):
+        data = b"".join(out)
+        if cut_by is not None:
+            # A write the cut took leaves aiohttp's drain waiter cancelled until the transport's
+            # writing resumes: the last write awaited it and raised the cut again at once, aborted
+            # with its queued bytes lost, its client reading or not.
+            if not (await _resumed(request, cut_by) and await _sent(request, data, resp.write_eof, cut_by)):
+                _abort(request)  # its client took no more in the drain's grace
+                return 503, SHUT_DOWN
+        elif not await _sent(request, data, resp.write_eof, job.deadline):
             return 504, _abort_unread(request, job, "stream")
         return (200, "") if failed is None else (failed.code, failed.message)
 

@@ -238,10 +238,10 @@ def _stalling_chunks() -> list[ResponseChunk]:
 
 
 async def test_a_stream_cut_in_a_write_before_its_last_is_aborted_and_counted_503() -> None:
-    """Cut in a mid-stream write, its error event and [DONE] then wait behind that write's bytes. The
-    cut was taken there, but the last write raised it again at once (aiohttp awaits the drain waiter
-    the cut cancelled), where it read as its client leaving: counted 499. It is the drain's now: its
-    connection aborted, counted 503, as one cut in its last write."""
+    """Cut in a mid-stream write, its error event and [DONE] then wait behind that write's bytes, for
+    a client that reads no more. The cut was taken there, but the last write raised it again at once
+    (aiohttp awaits the drain waiter the cut cancelled), where it read as its client leaving: counted
+    499. It is the drain's: its connection is aborted once the drain's grace passed, counted 503."""
     path, drain = _Stalled(_stalling_chunks()), Drain()
     async with _front_door(path, drain) as port:
         sock = await _post(port, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "stream": True})
@@ -306,3 +306,29 @@ async def test_a_stream_cut_in_a_write_before_its_last_sends_that_writes_events_
     events = re.findall(rb"data: ([^\n]*)\n\n", got)
     assert json.loads(events[-2])["error"]["message"] == SHUT_DOWN and events[-1] == b"[DONE]"
     assert (path.counted(503), path.counted(200)) == (1, 0)
+
+
+async def test_a_stream_cut_in_a_write_before_its_last_ends_for_a_client_that_reads_on() -> None:
+    """Cut in a mid-stream write, its client reading only from then on: its last write raised the cut
+    again at once (aiohttp's drain waiter, which the cut cancelled, stays until the transport's
+    writing resumes), and the connection was aborted with that write's bytes queued, though its
+    client was taking them. The last write waits for the transport now, in the drain's grace: the
+    client gets all it was sent once, then the drain's error event and [DONE], counted 503."""
+    chunks = _stalling_chunks()
+    big = chunks[1].events[0]
+    path, drain = _Stalled(chunks), Drain()
+    async with _front_door(path, drain) as port:
+        sock = await _post(port, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "stream": True})
+        try:
+            await until(lambda: path.writing, 10, "the stream's second write")
+            finishing = asyncio.create_task(drain.finish(0.1))
+            await until(lambda: path.streamed, 10, "the cut stream's close")  # its cut taken, its bytes queued
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # it reads on, at its own pace
+            got = await _read_until(sock, b"\r\n0\r\n\r\n")  # not aborted: the stream's end
+            assert await asyncio.wait_for(finishing, 10) == (0, 1)
+        finally:
+            sock.close()
+    assert got.count(big) == 1
+    events = re.findall(rb"data: ([^\n]*)\n\n", got)
+    assert json.loads(events[-2])["error"]["message"] == SHUT_DOWN and events[-1] == b"[DONE]"
+    assert (path.counted(503), path.counted(499), path.counted(200)) == (1, 0, 0)
