@@ -13,9 +13,9 @@ A request goes through four steps, each reading only what the producers made:
 
 `take()` runs all four when some worker has room (admission: its predicted prefill backlog is
 under half the TTFT SLO), or, with spill_to_prefill on, books the whole request on a prefill
-worker with room, and returns None otherwise (a 503 where no worker would serve it even with
-room); `plan_again()` serves a retry that must avoid the workers already tried. The HTTP
-service, the dispatcher and the virtual-clock replay all drive this same object.
+worker with room, and returns None otherwise; `plan_again()` serves a retry that must avoid
+the workers already tried. The HTTP service, the dispatcher and the virtual-clock replay all drive
+this same object.
 """
 
 from __future__ import annotations
@@ -487,14 +487,12 @@ class Planner:
     # --- 3 and 4: choose and book -------------------------------------------------------------------
 
     def take(self, ctx: RequestContext) -> RoutePlan | None:
-        """The booked plan for the request's first attempt, or None while no worker that would serve
-        it has room."""
+        """The booked plan for the request's first attempt, or None while no worker has room."""
         failing = self.refresh(ctx)
         held = _longest(ctx)
         if not self.admissible(ctx):
             plan = self._spill_plan(ctx, failing)
             if plan is None:
-                _unserved(ctx, ctx.decode_pool, [*ctx.prefill_pool, *failing])
                 return None
             # past its `engine_failing` cooldown, this spill is the trial of its worker's engine
             self.eligibility.engine_probe(plan.decode.worker, self.settings.prefill_timeout_s)
@@ -504,7 +502,6 @@ class Planner:
             pools = ctx.decode_pool, [*ctx.prefill_pool, *failing]
             prefill_full = self._keep_room(ctx)
             if not ctx.decode_pool:
-                _unserved(ctx, *pools)
                 return None  # room to decode, but no decode worker the policy lets prefill it
             plan = self._choose(ctx, prefill_full, failing, before_room=pools)
             self._reached(ctx, held, _longest(ctx), plan)
@@ -688,7 +685,11 @@ def _no_remote_prefill(
     every request behind it that a worker with room serves."""
     kept = {id(c) for c in ctx.decode_pool}
     engines = {c.info.engine for c in prefill}
-    if any(_serves(ctx, c, engines) for c in decode if id(c) not in kept):
+    if any(
+        c.info.role == "agg" or c.info.local_prefill or (not ctx.shape.local_prefill_only and c.info.engine in engines)
+        for c in decode
+        if id(c) not in kept
+    ):
         why = (
             "the decode workers that could serve it are full (those with room cannot prefill locally and no "
             "prefill worker of their engine can serve it); it may be retried"
@@ -696,24 +697,6 @@ def _no_remote_prefill(
     else:
         why = "its decode workers cannot prefill locally and no prefill worker of their engine can serve it"
     return PlanError(503, f"no worker of model {ctx.model} can take the request now: {why}")
-
-
-def _serves(ctx: RequestContext, c: Candidate, engines: set[str]) -> bool:
-    """Whether router.disagg plans decode candidate `c` the request, given prefill workers of
-    `engines`: it prefills locally, or a prefill worker of its engine does, for a request a handle serves."""
-    if c.info.role == "agg" or c.info.local_prefill:
-        return True
-    return not ctx.shape.local_prefill_only and c.info.engine in engines
-
-
-def _unserved(ctx: RequestContext, decode: Sequence[Candidate], prefill: Sequence[Candidate]) -> None:
-    """Before the request waits for room: the 503 where no worker of `decode` would serve it even with
-    room, as /debug/route answers (until 2026-12-08 it waited, to a 429 or that 503 once one had
-    room). Checked on every offer (a prefill worker may leave while it waits), but by role and engine
-    alone: no plan."""
-    engines = {c.info.engine for c in prefill}
-    if not any(_serves(ctx, c, engines) for c in decode):
-        raise _no_remote_prefill(ctx)
 
 
 def _reasons(left_out: Sequence[Mapping[str, Any]]) -> str:

@@ -483,41 +483,44 @@ def test_a_request_no_worker_would_serve_even_with_room_is_a_503() -> None:
     assert explained.value.message == caught.value.message
 
 
-async def test_a_request_no_worker_would_serve_even_with_room_is_refused_while_every_worker_is_full() -> None:
-    # s1 cannot prefill locally and no SGLang prefill worker is up; s1 is full. take() left it to
-    # wait (to a 429, or this 503 once s1 had room) while /debug/route answered the 503 (until 2026-12-08)
-    f = Fleet(winfo("s1", engine="sglang", local_prefill=False))
+def test_a_request_waits_for_a_soft_excluded_worker_that_would_serve_it() -> None:
+    # a1 is briefly unhealthy, so refresh() leaves it out while s1 (full, cannot prefill locally, no
+    # SGLang prefill worker) is routable: the request waits for room, and a1 back serves it. It was
+    # refused at once (a 503 saying no worker could serve it) on 2026-12-08, reverted
+    f = Fleet(winfo("a1", role="agg"), winfo("s1", engine="sglang", local_prefill=False))
+    f.view.update(LoadReport(worker="a1", ts=f.clock(), period_s=0.5, healthy=False))
     f.report("s1", prefill_tokens_queued=200_000)
-    with pytest.raises(PlanError) as explained:
-        f.planner.explain(f.ctx(list(range(64)), "dbg"))
-    adm = Admission(max_wait_s=lambda: 5.0, max_queue=lambda: None, on_abandon=lambda plan: None)
-    with pytest.raises(PlanError) as taken:
-        await asyncio.wait_for(adm.admit(f.ctx(list(range(64))), f.planner.take), 0.1)
-    assert taken.value.code == 503 and taken.value.transient and adm.depth == 0
-    assert taken.value.message == explained.value.message
-    assert "cannot prefill locally" in taken.value.message and "full" not in taken.value.message
-    # with a prefill worker of its engine, s1 would serve it once it has room: it waits, as /debug/route says
-    f.infos.append(winfo("sp1", "prefill", engine="sglang"))
-    f.planner.eligibility.added("sp1")
-    f.report("sp1")
-    assert f.planner.take(f.ctx(list(range(64)), "r2")) is None
-    info = f.planner.explain(f.ctx(list(range(64)), "dbg2"))
-    assert (info["admissible"], info["waits"], info["decode_worker"]) == (False, True, "s1")
+    assert f.planner.take(f.ctx(list(range(64)), "r1")) is None
+    f.clock.now += 0.5
+    f.report("a1")
+    f.report("s1", prefill_tokens_queued=200_000)
+    plan = f.planner.take(f.ctx(list(range(64)), "r1"))
+    assert plan is not None and (plan.decode.worker, plan.outcome) == ("a1", Outcome.AGGREGATED)
 
 
-def test_a_request_the_room_rule_keeps_off_the_only_decode_worker_that_cannot_serve_it_is_refused() -> None:
-    # s1 has room to decode, but slo_aware refuses a local prefill of this n=2 request there, which
-    # s1 cannot do anyway: take() left it to wait while /debug/route answered the 503 (until 2026-12-08)
-    f = Fleet(winfo("s1", engine="sglang", local_prefill=False), winfo("sp1", "prefill", engine="sglang"))
-    f.planner.configure(settings(conditional_disagg=True, conditional_disagg_policy="slo_aware"))
-    f.report("s1", running=60)
-    shape = RequestShape(sequences=2)
-    with pytest.raises(PlanError) as explained:
-        f.planner.explain(f.planner.context("dbg", MODEL, list(range(8000)), shape=shape))
-    with pytest.raises(PlanError) as taken:
-        f.planner.take(f.planner.context("r", MODEL, list(range(8000)), shape=shape))
-    assert taken.value.code == 503 and taken.value.message == explained.value.message
-    assert "cannot prefill locally" in taken.value.message
+@pytest.mark.parametrize(
+    ("prefill", "shape"),
+    [(winfo("p1", "prefill"), RequestShape()), (winfo("p1", "prefill", engine="sglang"), RequestShape(sequences=2))],
+    ids=["vllm_prefill", "sglang_prefill_n2"],
+)
+def test_a_request_waits_for_a_prefill_worker_to_take_its_spill(prefill: WorkerInfo, shape: RequestShape) -> None:
+    # s1 (full) cannot serve it, but with spill_to_prefill on p1 serves the whole request once it has
+    # room: it waits for that. It was refused at once on 2026-12-08, reverted
+    f = Fleet(
+        winfo("s1", engine="sglang", local_prefill=False),
+        prefill,
+        conditional_disagg=True,
+        conditional_disagg_policy="slo_aware",
+        spill_to_prefill=True,
+    )
+    f.report("s1", prefill_tokens_queued=200_000)
+    f.report("p1", prefill_tokens_queued=200_000)
+    assert f.planner.take(f.planner.context("r1", MODEL, list(range(64)), shape=shape)) is None
+    f.clock.now += 0.5
+    f.report("s1", prefill_tokens_queued=200_000)
+    f.report("p1")
+    plan = f.planner.take(f.planner.context("r1", MODEL, list(range(64)), shape=shape))
+    assert plan is not None and (plan.decode.worker, plan.outcome) == ("p1", Outcome.SPILLED_TO_PREFILL)
 
 
 @pytest.mark.parametrize(
