@@ -606,13 +606,11 @@ class Planner:
         else:
             plan = self._spill_plan(ctx, failing)
         waits = plan is None
-        if plan is None:  # it would wait at admission: show the choice over every candidate
+        if plan is None:  # it would wait at admission: show the choice over every candidate (or none)
             excluded = ctx.excluded  # with the room exclusions recorded above
             failing = self.refresh(ctx)
             ctx.excluded = excluded
             plan = self.disagg.plan(ctx, prefill_failing=failing)
-        if plan is None:
-            raise _no_remote_prefill(ctx)
         return {
             "model": ctx.model,
             "isl": ctx.isl,
@@ -622,7 +620,7 @@ class Planner:
             "policy": self.disagg.policy.name,
             "admissible": admissible,
             "waits": waits,
-            **plan.explain(),
+            **(plan.explain() if plan is not None else _no_plan()),
             "excluded": ctx.excluded,
         }
 
@@ -665,6 +663,25 @@ def standalone_planner(
         fingerprints=FingerprintDays.fixed(tokenizer, legacy_tokenizer) if tokenizer is not None else None,
         unrouted=unrouted,
     )
+
+
+def _no_plan() -> dict[str, Any]:
+    """explain()'s plan fields where the request would wait and no candidate is planned it: take()
+    leaves it to wait all the same (a worker left out for now, or a prefill worker with room to take
+    a spill, may serve it), so /debug/route says it waits rather than answer a 503 it does not get."""
+    return {
+        "decode_worker": None,
+        "prefill_worker": None,
+        "path": None,
+        "outcome": None,
+        "bypass": None,
+        "reason": (
+            "no candidate would be planned the request now (none prefills locally and no prefill worker of its "
+            "engine serves it); it waits at admission for room or for a worker that serves it"
+        ),
+        "decode_candidates": [],
+        "prefill_candidates": [],
+    }
 
 
 def _longest(ctx: RequestContext) -> int:

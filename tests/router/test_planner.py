@@ -483,6 +483,39 @@ def test_a_request_no_worker_would_serve_even_with_room_is_a_503() -> None:
     assert explained.value.message == caught.value.message
 
 
+def test_a_request_no_candidate_is_planned_while_it_waits_is_shown_waiting() -> None:
+    # s1 is full, cannot prefill locally, and no SGLang prefill worker is up: take() leaves the
+    # request to wait (a worker may come), while /debug/route answered a 503 (until 2026-12-08)
+    f = Fleet(winfo("s1", engine="sglang", local_prefill=False))
+    f.report("s1", prefill_tokens_queued=200_000)
+    assert f.planner.take(f.ctx(list(range(64)), "r1")) is None
+    info = f.planner.explain(f.ctx(list(range(64)), "dbg"))
+    assert (info["admissible"], info["waits"]) == (False, True)
+    assert (info["decode_worker"], info["prefill_worker"], info["path"], info["outcome"]) == (None,) * 4
+    assert info["decode_candidates"] == info["prefill_candidates"] == []
+    assert f.view.bookings("s1") == 0
+    # with a prefill worker of its engine, s1 would serve it once it has room: the plan over it is shown
+    f.infos.append(winfo("sp1", "prefill", engine="sglang"))
+    f.planner.eligibility.added("sp1")
+    f.report("sp1")
+    assert f.planner.take(f.ctx(list(range(64)), "r2")) is None
+    info = f.planner.explain(f.ctx(list(range(64)), "dbg2"))
+    assert (info["admissible"], info["waits"], info["decode_worker"]) == (False, True, "s1")
+
+
+def test_a_request_the_room_rule_keeps_off_every_decode_worker_is_shown_waiting() -> None:
+    # s1 has room to decode, but slo_aware refuses a local prefill of this n=2 request there: take()
+    # leaves it to wait, and /debug/route answered a 503 (until 2026-12-08)
+    f = Fleet(winfo("s1", engine="sglang", local_prefill=False), winfo("sp1", "prefill", engine="sglang"))
+    f.planner.configure(settings(conditional_disagg=True, conditional_disagg_policy="slo_aware"))
+    f.report("s1", running=60)
+    shape = RequestShape(sequences=2)
+    assert f.planner.take(f.planner.context("r", MODEL, list(range(8000)), shape=shape)) is None
+    info = f.planner.explain(f.planner.context("dbg", MODEL, list(range(8000)), shape=shape))
+    assert (info["admissible"], info["waits"], info["decode_worker"]) == (True, True, None)
+    assert [(e["worker"], e["excluded"]) for e in info["excluded"]] == [("s1", "room")]
+
+
 def test_a_request_waits_for_a_soft_excluded_worker_that_would_serve_it() -> None:
     # a1 is briefly unhealthy, so refresh() leaves it out while s1 (full, cannot prefill locally, no
     # SGLang prefill worker) is routable: the request waits for room, and a1 back serves it. It was
@@ -491,6 +524,8 @@ def test_a_request_waits_for_a_soft_excluded_worker_that_would_serve_it() -> Non
     f.view.update(LoadReport(worker="a1", ts=f.clock(), period_s=0.5, healthy=False))
     f.report("s1", prefill_tokens_queued=200_000)
     assert f.planner.take(f.ctx(list(range(64)), "r1")) is None
+    info = f.planner.explain(f.ctx(list(range(64)), "dbg"))
+    assert (info["admissible"], info["waits"], info["decode_worker"]) == (False, True, None)
     f.clock.now += 0.5
     f.report("a1")
     f.report("s1", prefill_tokens_queued=200_000)
@@ -516,6 +551,8 @@ def test_a_request_waits_for_a_prefill_worker_to_take_its_spill(prefill: WorkerI
     f.report("s1", prefill_tokens_queued=200_000)
     f.report("p1", prefill_tokens_queued=200_000)
     assert f.planner.take(f.planner.context("r1", MODEL, list(range(64)), shape=shape)) is None
+    info = f.planner.explain(f.planner.context("dbg", MODEL, list(range(64)), shape=shape))
+    assert (info["admissible"], info["waits"], info["decode_worker"]) == (False, True, None)
     f.clock.now += 0.5
     f.report("s1", prefill_tokens_queued=200_000)
     f.report("p1")
