@@ -565,13 +565,17 @@ def test_a_request_waits_for_a_prefill_worker_to_take_its_spill(prefill: WorkerI
     [RequestShape(sequences=2), RequestShape(prompt_logprobs=True), RequestShape(beam_search=True)],
     ids=["n2", "prompt_logprobs", "beam_search"],
 )
+@pytest.mark.parametrize("disagg", ["conditional", "never"])
 def test_a_request_no_transfer_handle_serves_is_not_sent_remote_through_a_full_prefill_worker(
-    shape: RequestShape,
+    shape: RequestShape, disagg: str
 ) -> None:
     # s1 cannot prefill locally and sp1, its engine's only prefill worker, is full: the planned
-    # prefill_pool_full bypass went remote on sp1 (remote_no_local_prefill) before the shape was
-    # looked at, though no transfer handle serves such a request (until 2026-12-08)
-    f = Fleet(winfo("s1", engine="sglang", local_prefill=False), winfo("sp1", "prefill", engine="sglang"))
+    # prefill_pool_full bypass (or, under disagg=never, the aggregated plan) went remote on sp1
+    # (remote_no_local_prefill) before the shape was looked at, though no transfer handle serves
+    # such a request (until 2026-12-08)
+    f = Fleet(
+        winfo("s1", engine="sglang", local_prefill=False), winfo("sp1", "prefill", engine="sglang"), disagg=disagg
+    )
     f.report("sp1", prefill_tokens_queued=200_000)
     with pytest.raises(PlanError) as taken:
         f.planner.take(f.planner.context("r", MODEL, list(range(64)), shape=shape))
