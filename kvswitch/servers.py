@@ -634,6 +634,11 @@ class _Server:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    @property
+    def log_path(self) -> Path:
+        """Its log, for a reader that needs all of it (`log_tail` reads the end only)."""
+        return self._log_path
+
     def log_tail(self, lines: int = 20) -> str:
         """The last `lines` of its log, from its last `_TAIL_BYTES` only: a long-running server's log
         grows without bound, and the tail is read on `kvswitch up`'s event loop."""
