@@ -81,6 +81,8 @@ POOLS = ("prefill", "decode", "agg")
 # operator runs by hand (`LocalCluster.own_commands`).
 OWN_ROUTER, OWN_WORKER = "router-0", "worker-0"
 STOP_GRACE_S = 35.0  # per tier of children at stop: the shim drains for 30 s at most
+# How long `kill` waits for `stop`'s removal of the directories on another thread: up exits after it.
+_REMOVAL_WAIT_S = 10.0
 # What a start of a process may fail with: its log or store cannot be written, its binary is gone,
 # fork failed (EAGAIN, ENOMEM), or a server's own refusal.
 _START_ERRORS = (OSError, subprocess.SubprocessError, ServerError)
@@ -248,6 +250,7 @@ class LocalCluster:
         self._nats_auth: NatsAuthPlan | None = None
         self._abandon = threading.Event()  # set from another thread: starting stops at its next wait
         self._lock = threading.Lock()  # a restart against `stop` and `kill`
+        self._removing = threading.Lock()  # held across a `_forget`: `kill`'s waits for `stop`'s
         self._stopping = False
         self._server_backoff: dict[str, _Backoff] = {}
         self._servers_ok = True  # NATS and etcd all up and none exited, at the last `health`
@@ -763,20 +766,32 @@ class LocalCluster:
     def _forget(self) -> None:
         """Remove the cluster's directories; what ran in it is gone. `kill` (a second signal) may run
         it while `stop` does on another thread: each takes the fields under the lock, so the directories
-        are removed and the descriptor closed once (closed twice, it was EBADF, or another file's)."""
-        with self._lock:
-            made, fd = (self.secrets_dir, self._scratch), self._scratch_fd
-            self.secrets_dir = self._scratch = self._scratch_fd = None
-            self.children = []
-            self.etcd = self.nats = None
-            self.engines = []
-            self.router_urls = []
-            self._server_backoff = {}
-        for path in made:
-            if path is not None:
-                shutil.rmtree(path, ignore_errors=True)
-        if fd is not None:
-            os.close(fd)
+        are removed and the descriptor closed once (closed twice, it was EBADF, or another file's). The
+        removal lock is held from before the take to after the removal: a `kill` that finds the fields
+        taken has waited for their removal (up exits at once after it), `_REMOVAL_WAIT_S` at most."""
+        removing = self._removing.acquire(timeout=_REMOVAL_WAIT_S)
+        if not removing:
+            log.warning(
+                "the cluster's directories were still being removed after %.0fs: going on, some may be left",
+                _REMOVAL_WAIT_S,
+            )
+        try:
+            with self._lock:
+                made, fd = (self.secrets_dir, self._scratch), self._scratch_fd
+                self.secrets_dir = self._scratch = self._scratch_fd = None
+                self.children = []
+                self.etcd = self.nats = None
+                self.engines = []
+                self.router_urls = []
+                self._server_backoff = {}
+            for path in made:
+                if path is not None:
+                    shutil.rmtree(path, ignore_errors=True)
+            if fd is not None:
+                os.close(fd)
+        finally:
+            if removing:
+                self._removing.release()
 
     def healthy(self) -> bool:
         return self.health()[1]

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -358,6 +359,117 @@ class _CloseHook:
         return getattr(os, name)
 
 
+class _WatchedLock:
+    """A lock that sets `waited` when a thread finds it held."""
+
+    def __init__(self, waited: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._waited = waited
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.locked():
+            self._waited.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _WatchedLocks:
+    """The threading module as kvswitch.cluster sees it, its locks `_WatchedLock`s."""
+
+    def __init__(self, waited: threading.Event) -> None:
+        self._waited = waited
+
+    def Lock(self) -> _WatchedLock:  # threading's name
+        return _WatchedLock(self._waited)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(threading, name)
+
+
+class _RmtreeHook:
+    """The shutil module as kvswitch.cluster sees it, its `rmtree` calling `hook` first."""
+
+    def __init__(self, hook: Callable[[], None]) -> None:
+        self._hook = hook
+
+    def rmtree(self, path: Path, ignore_errors: bool = False) -> None:
+        self._hook()
+        shutil.rmtree(path, ignore_errors=ignore_errors)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(shutil, name)
+
+
+def _stop_held_at_its_removal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, go: threading.Event, waited: threading.Event
+) -> tuple[LocalCluster, threading.Thread, list[Path]]:
+    """A cluster whose stop, on a thread of its own, has taken its directories and waits for `go`
+    to remove them; `waited` is set when a thread finds one of the cluster's locks held."""
+    monkeypatch.setattr(kvswitch.cluster, "threading", _WatchedLocks(waited))
+    cluster = LocalCluster(ClusterSpec())
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    cluster.secrets_dir = secrets
+    made = [cluster._scratch_dir(), secrets]
+    removing = threading.Event()
+    stopping = threading.Thread(target=cluster.stop)
+
+    def held() -> None:
+        if threading.current_thread() is stopping:
+            removing.set()
+            go.wait(10)
+
+    monkeypatch.setattr(kvswitch.cluster, "shutil", _RmtreeHook(held))
+    stopping.start()
+    assert removing.wait(10)
+    return cluster, stopping, made
+
+
+def test_a_kill_while_stop_removes_the_directories_returns_once_they_are_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # up's second signal runs kill() while stop() removes the directories on a worker thread: kill
+    # found them taken by stop and returned at once, and up's os._exit then cut stop's removal
+    # part way, the directories left. Stop's removal here goes on only once kill waits for it.
+    go = threading.Event()
+    cluster, stopping, made = _stop_held_at_its_removal(tmp_path, monkeypatch, go, waited=go)
+    try:
+        cluster.kill()
+        assert [path for path in made if path.exists()] == []
+    finally:
+        go.set()
+        stopping.join(10)
+    assert not stopping.is_alive()
+
+
+def test_a_kill_waits_for_a_stuck_removal_a_bounded_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A removal that never ends (a hung file system) must not hold up's exit on a second signal.
+    monkeypatch.setattr(kvswitch.cluster, "_REMOVAL_WAIT_S", 0.01)
+    go, waited = threading.Event(), threading.Event()
+    cluster, stopping, made = _stop_held_at_its_removal(tmp_path, monkeypatch, go, waited)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvswitch.cluster"):
+            cluster.kill()
+        assert waited.is_set()
+        assert "directories were still being removed after 0s: going on, some may be left" in caplog.text
+        assert [path for path in made if path.exists()] == made
+    finally:
+        go.set()
+        stopping.join(10)
+    assert not stopping.is_alive()
+    assert [path for path in made if path.exists()] == []
+
+
 def test_a_kill_while_stop_forgets_the_cluster_closes_and_removes_each_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -365,6 +477,8 @@ def test_a_kill_while_stop_forgets_the_cluster_closes_and_removes_each_once(
     # both checked the scratch directory's descriptor, closed it, then cleared it, unlocked. The
     # kill here comes just as stop's close does: the second close was EBADF (out of kill, so up's
     # abort left the TLS directory), or closed another file that took the number meanwhile.
+    waited = threading.Event()
+    monkeypatch.setattr(kvswitch.cluster, "threading", _WatchedLocks(waited))
     cluster = LocalCluster(ClusterSpec())
     scratch = cluster._scratch_dir()
     fd = cluster._scratch_fd
@@ -377,10 +491,11 @@ def test_a_kill_while_stop_forgets_the_cluster_closes_and_removes_each_once(
         closed.append(fd)
         if killing.ident is None:  # the first close: stop's
             killing.start()
-            killing.join(10)
+            assert waited.wait(10)  # the kill waits for stop's removal, which this close is part of
 
     monkeypatch.setattr(kvswitch.cluster, "os", _CloseHook(kill_first))
     assert cluster.stop() == []
+    killing.join(10)
     assert not killing.is_alive()
     assert closed == [fd]
     assert not scratch.exists() and not (tmp_path / "secrets").exists()
