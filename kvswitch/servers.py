@@ -644,12 +644,16 @@ class _Server:
         grows without bound, and the tail is read on `kvswitch up`'s event loop."""
         try:
             with self._log_path.open("rb") as out:
-                start = max(0, out.seek(0, os.SEEK_END) - _TAIL_BYTES)
-                out.seek(start)
-                said = out.read().decode(errors="replace").splitlines()
+                end = out.seek(0, os.SEEK_END)
+                start = max(0, end - _TAIL_BYTES)
+                at = out.seek(max(0, start - 1))  # the byte before `start`: a newline there cuts no line
+                read = out.read(end - at)  # to the end found: what it writes meanwhile is not waited for
         except OSError:
             return "(no log)"
-        whole = said[1:] if start else said  # a line cut at `start` is not one it wrote
+        cut = start > 0 and read[:1] != b"\n"
+        said = read[start > 0 :].decode(errors="replace").splitlines()
+        # A line cut at `start` is not one it wrote: said only where it is all there is (a long last line).
+        whole = (said[1:] or said) if cut else said
         return "\n".join(whole[-lines:])
 
     def __enter__(self) -> Self:

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PosixPath
 from typing import Any
 
 import pytest
@@ -484,3 +484,58 @@ def test_a_servers_log_tail_gives_no_line_cut_where_its_read_starts(tmp_path: Pa
     log.write_bytes((b"y" * 99 + b"\n") * 1000)  # read from part way through a line
     lines = servers._Server(tmp_path, log).log_tail(1000).splitlines()
     assert 0 < len(lines) < 1000 and set(lines) == {"y" * 99}
+
+
+def test_a_servers_log_tail_gives_its_only_line_though_the_read_starts_inside_it(tmp_path: Path) -> None:
+    # Its last 16 KB with no newline but the last: the one line they hold, cut at the read's start,
+    # was left out as every cut line is, and nothing was said of the log.
+    log = tmp_path / "nats-0.log"
+    log.write_bytes(b"start ok\n" + b"E" * 20000 + b"\n")
+    assert servers._Server(tmp_path, log).log_tail() == "E" * (servers._TAIL_BYTES - 1)
+
+
+def test_a_servers_log_tail_keeps_a_line_its_read_starts_with(tmp_path: Path) -> None:
+    # The read's start falling on a line's start: that whole line was left out as a cut one.
+    log = tmp_path / "nats-0.log"
+    said = [b"line %010d\n" % n for n in range(servers._TAIL_BYTES // 16)]  # 16 bytes each
+    log.write_bytes(b"x" * 99 + b"\n" + b"".join(said))
+    lines = servers._Server(tmp_path, log).log_tail(len(said) + 10).splitlines()
+    assert lines == [line.decode().rstrip("\n") for line in said]
+
+
+class _GrowingAsRead:
+    """A log opened for reading whose server writes 600 KB more just after its end is found."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._out = path.open("rb")
+
+    def __enter__(self) -> _GrowingAsRead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._out.close()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        at = self._out.seek(offset, whence)
+        if whence == os.SEEK_END:
+            with self._path.open("ab") as more:
+                more.write(b"later\n" * 100_000)
+        return at
+
+    def read(self, size: int = -1) -> bytes:
+        return self._out.read(size)
+
+
+class _GrowingLog(PosixPath):
+    def open(self, *args: Any, **kwargs: Any) -> Any:
+        return _GrowingAsRead(Path(self)) if args[:1] == ("rb",) else super().open(*args, **kwargs)
+
+
+def test_a_servers_log_tail_reads_no_more_than_its_tail_of_a_log_growing_as_it_reads(tmp_path: Path) -> None:
+    # After finding the log's end, it read to the end as it then was: a server writing fast (nats
+    # logging slow consumers) had it read on and on, on kvswitch up's event loop.
+    log = tmp_path / "nats-0.log"
+    log.write_bytes(b"".join(b"line %d\n" % i for i in range(30)))
+    assert servers._Server(tmp_path, _GrowingLog(log)).log_tail(3) == "line 27\nline 28\nline 29"
+    assert log.stat().st_size > 600_000
