@@ -25,7 +25,8 @@ counters, protocol.messages LoadReport):
     x_d = S * decode(D / S, C)                         (C = decode_context: the decoding requests'
                                                         mean prompt + output so far, as the shim
                                                         counts them)
-    x_p = S * prefill(P / S, k + max(n - P / S, 0) / 2)   if D == 0 (a prefill-only engine)
+    x_p = S * prefill(P / S, k + max(n - P / S, 0) / 2)   if D == 0 (a prefill-only engine), P / S <= mnbt
+        = S * prefill_time(P / S, k, budget=mnbt)         if D == 0, P / S > mnbt (prompts counted whole)
         = P * marginal(n, k, D / S) / n                   else (prefill chunks inside decode steps)
 
 where the worker's recent prompt averages n new and k cached tokens (prefill_computed_tokens,
@@ -34,7 +35,12 @@ any moved: vLLM counts hits at scheduling and the rest at finish): a chunk
 attends to the prompt's cached tokens and its earlier chunks, and on the profile's linear
 marginal a prompt's chunks cost exactly what `marginal(n, k, B)` charges the whole prompt. An
 engine that reports no prompt counters is read with n = mnbt, k = 0 (one full chunk with no
-context).
+context). No step holds more than mnbt (max_num_batched_tokens) tokens, so a prefill-only interval
+whose steps average more holds prompts counted whole at their last chunk (vLLM and engine_sim count a
+prompt's tokens, and one iteration, only then): it is priced as the chunks the engine ran, each over
+those before it (TimingModel.prefill_time, as WorkerTiming.prefill_s prices a prompt). Priced as one
+step, which the profile's tables extrapolate linearly past their last point, prompts of 40-120 k
+tokens fitted k_p 1.5 against a right profile.
 
 C is per sequence because a decode step reads each running sequence's whole KV, a prefix shared
 with other sequences included (vLLM's paged attention does; engine_sim charges it so). C used to
@@ -308,6 +314,9 @@ def _prefill_work(
     new, cached = prompt if prompt is not None else (mnbt, 0)
     if not batch:
         chunk = tokens / steps
+        if chunk > mnbt:
+            # No step holds more than mnbt tokens: prompts counted whole at their last chunk.
+            return steps * shape.prefill_time(round(chunk), 0 if prompt is None else cached, budget=mnbt)
         context = 0 if prompt is None else round(cached + max(new - chunk, 0) / 2)
         return steps * shape.prefill(round(chunk), context)
     return tokens * shape.marginal(new, cached, batch) / new

@@ -468,12 +468,13 @@ def test_a_window_holds_open_while_a_long_prompt_prefills_beside_decodes(decodes
 
 
 def test_a_prompt_longer_than_any_window_is_fitted_whole() -> None:
-    # One prompt keeps a prefill engine busy for 72 s and is counted only at its first token: the
+    # One prompt keeps a prefill engine busy for minutes and is counted only at its first token: the
     # window that holds its time must still be open then (closed at MAX_WINDOW_S with nothing
-    # counted, its time would be lost and the prompt read five times faster than it ran).
+    # counted, its time would be lost and the prompt read five times faster than it ran). The engine
+    # prefills it in chunks of MNBT, as engine_sim does (this test charged it as one step once).
     cal, info = Calibration(), _info()
     tokens, k_p = 400_000, 3.0  # an engine three times slower than its profile
-    busy = k_p * SHAPE.prefill(tokens)
+    busy = k_p * SHAPE.prefill_time(tokens, 0, budget=MNBT)
     assert busy > 1.5 * MAX_WINDOW_S
     t, period, counted = 0.0, 0.5, 0
     cal.observe(info, LoadReport(worker="w", ts=t, running=0, period_s=period))
@@ -488,6 +489,38 @@ def test_a_prompt_longer_than_any_window_is_fitted_whole() -> None:
         t += 5.0
         cal.observe(info, LoadReport(worker="w", ts=t, running=0, period_s=period, iterations=counted,
                                      iteration_tokens=counted * (tokens + 1)))  # fmt: skip
+    assert _fitted(cal, info).prefill_scale == pytest.approx(k_p, rel=0.1)
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(40_000, 120_000), (120_000, 192_000)])
+def test_prompts_longer_than_a_step_on_a_prefill_engine_are_priced_in_their_chunks(lo: int, hi: int) -> None:
+    """A prefill engine at 1.4 times its profile serving one prompt at a time, each prefilled in
+    chunks of MNBT tokens, each over those before it (engine_sim's TimingModel.prefill_time), and
+    counted, one step, at its last. Priced as one step of the whole prompt, 40-120 k-token prompts
+    fitted k_p 1.5 for 1.0 (the shipped trace's prompts reach 191 k tokens; 2026-12 audit)."""
+    k_p, period = 1.4, 0.5
+    cal, info = Calibration(), _info()
+    rng = random.Random(3)
+    t, iterations, tokens = 0.0, 0, 0
+    events: list[tuple[float, int, int]] = []  # (time, running after, tokens counted then)
+    for _ in range(60):
+        t += rng.uniform(0.1, 3.0)
+        prompt = rng.randrange(lo, hi)
+        events.append((t, 1, 0))
+        t += k_p * SHAPE.prefill_time(prompt, 0, budget=MNBT)
+        events.append((t, 0, prompt))
+    clock, running, e = 0.0, 0, 0
+    while e < len(events):
+        clock += period
+        while e < len(events) and events[e][0] <= clock:
+            _, running, counted = events[e]
+            if counted:
+                iterations += 1
+                tokens += counted + 1  # the prompt and its first token
+            e += 1
+        cal.observe(info, LoadReport(worker="w", ts=clock, running=running, period_s=period,
+                                     iterations=iterations, iteration_tokens=tokens))  # fmt: skip
+    assert cal.dropped() == {}
     assert _fitted(cal, info).prefill_scale == pytest.approx(k_p, rel=0.1)
 
 
