@@ -67,7 +67,15 @@ none was fitted. An interval busy at both ends is dropped too when it is over MA
 times that (once CADENCE_KNOWN busy spacings are seen): reports lost for tens of seconds, or a step
 of the shim host's wall clock, would read as busy time an engine may have spent mostly idle. A
 worker registered again under another profile starts a fresh fit: its factors were against the old
-profile's shape.
+profile's shape. A report made before the last one read and come late (reordered across a
+quarantine's subscription switch, or again) is ignored: stamped no later in the same KV epoch, with
+fewer iterations, or with as many and an earlier engine reading while the engine is busy (a long
+prefill counts no step until its last chunk; read, such a report ran the clock back and dropped the
+window). A step back of the shim host's clock while a busy engine counts no step looks the same: it
+is read at the report that counts one (or is stamped past the last), a clock fault when the step is
+past the time to it, busy time short by the step when not, as a step within any interval is (`_late`).
+Idle at both, such a report is read as a new baseline: a step back then costs nothing, a late report
+makes the next interval a period longer.
 
 Each window is weighed by how far its y can be from k_d x_d + k_p x_p: one reading's resolution
 (READ_ERROR_S) and each proxy's own error, DECODE_PROXY_ERROR of x_d and PREFILL_PROXY_ERROR of
@@ -305,6 +313,21 @@ def _readable(engine_s: float, wall_s: float, contexts: tuple[float, float], max
     return max_model_len is None or max(contexts) <= max_model_len
 
 
+def _late(prev: LoadReport, report: LoadReport) -> bool:
+    """Whether `report` was made before `prev`, the last one read, and came late: stamped no later in
+    the same session of its shim (a restart is a new KV epoch, though the shim host's clock stepped
+    back meanwhile), with fewer iterations (else read as a restarted engine's, dropping the worker's
+    windows), or with as many and an earlier engine reading while the engine was busy (else a clock
+    fault dropping the open window). A clock step back while the engine counts no step looks the
+    same, and is read at the report that counts one (the module docstring)."""
+    if report.ts > prev.ts or report.kv_epoch != prev.kv_epoch:
+        return False
+    if report.iterations < prev.iterations:
+        return True
+    earlier = (report.engine_ts or report.ts) < (prev.engine_ts or prev.ts)
+    return report.iterations == prev.iterations and earlier and (prev.running > 0 or report.running > 0)
+
+
 def _prefill_work(
     shape: TimingModel, prompt: tuple[int, int] | None, mnbt: int, tokens: int, steps: int, batch: int
 ) -> float:
@@ -509,16 +532,7 @@ class Calibration:
             self.forget(worker)
             self._profile[worker] = profile
         prev = self._last.get(worker)
-        if (
-            prev is not None
-            and report.iterations < prev.iterations
-            and report.ts <= prev.ts
-            and report.kv_epoch == prev.kv_epoch
-        ):
-            # Made before the last one, come late (reordered across a quarantine's subscription
-            # switch, or again): fewer iterations as a restarted engine's, but no restart. A
-            # restart is a new session of its shim, a new KV epoch, though the shim host's clock
-            # stepped back meanwhile.
+        if prev is not None and _late(prev, report):
             return
         if prev is None or report.iterations < prev.iterations:  # first report, or the engine restarted
             self._last[worker] = report

@@ -213,6 +213,56 @@ def test_an_older_report_come_late_is_no_engine_restart() -> None:
     assert _fitted(reordered, info).decode_scale == _fitted(plain, info).decode_scale != 1.0
 
 
+def _long_prefill(tokens: int, k_p: float, period: float = 0.5) -> list[LoadReport]:
+    """A prefill engine's reports through one prompt of `tokens`, from idle to idle: it counts no
+    step until the prompt's last chunk, so every report but the last has the same iterations."""
+    busy = k_p * SHAPE.prefill_time(tokens, 0, budget=MNBT)
+    reports, t = [LoadReport(worker="w", ts=0.0, running=0, period_s=period)], 0.0
+    while t < busy:
+        t = min(t + period, busy)
+        done = int(t >= busy)
+        reports.append(LoadReport(worker="w", ts=t, running=1 - done, period_s=period, iterations=done,
+                                  iteration_tokens=done * (tokens + 1)))  # fmt: skip
+    return reports
+
+
+def test_an_older_report_come_late_during_a_long_prefill_is_ignored() -> None:
+    """While a prompt prefills no step is counted, so a report come late has as many iterations as
+    the last: read as an interval it ran the clock back, and the open window, the prompt's busy
+    seconds, was dropped as a clock fault ('check the shim host's clock'; 2026-12 audit)."""
+    info = _info()
+    plain, reordered = Calibration(), Calibration()
+    reports = _long_prefill(100_000, 1.3)
+    for r in reports:
+        plain.observe(info, r)
+    reordered.observe(info, reports[0])
+    for before, report in itertools.pairwise(reports):
+        reordered.observe(info, report)
+        reordered.observe(info, before)  # the one before it, again, late
+    assert plain.warm_s("w") > 10.0 and plain.dropped() == {}
+    assert reordered.dropped() == {}
+    assert reordered.warm_s("w") == plain.warm_s("w")
+    assert _fitted(reordered, info).prefill_scale == _fitted(plain, info).prefill_scale != 1.0
+
+
+def test_a_clock_step_back_during_a_long_prefill_is_still_a_clock_fault() -> None:
+    """The cost of ignoring those: a step back of the shim host's clock while the prompt prefills
+    looks the same, and is read at the report that counts the prompt, as the fault it is when the
+    step is past the time to it; reports after it are read from it. (Before, the reports after the
+    step were read from it: a window of the prompt's tail time holding all its work, k_p read low.)"""
+    info, cal = _info(), Calibration()
+    reports = _long_prefill(100_000, 1.0)
+    step = 20.0
+    for i, r in enumerate(reports):
+        cal.observe(info, msgspec.structs.replace(r, ts=r.ts - step) if i >= 5 else r)
+    assert cal.dropped() == {"w": 1} and cal.warm_s("w") == 0.0
+    t = reports[-1].ts - step
+    for r in _long_prefill(100_000, 1.0):
+        cal.observe(info, msgspec.structs.replace(r, ts=t + 1.0 + r.ts, iterations=r.iterations + 1,
+                                                  iteration_tokens=r.iteration_tokens + 100_001))  # fmt: skip
+    assert cal.dropped() == {"w": 1} and cal.warm_s("w") > 9.0  # the second prompt, 10.2 s, fitted
+
+
 def test_a_restart_while_the_shim_hosts_clock_stepped_back_is_a_restart() -> None:
     """Fewer iterations and an older stamp, but a new KV epoch (the shim's new session with the
     restarted engine): a restart, not a late report (review of ba7d33d)."""
