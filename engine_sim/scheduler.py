@@ -321,7 +321,9 @@ class Scheduler:
                     break
                 skipped.append(waiting.popleft())
                 continue
-            fresh = req.num_computed_tokens == 0
+            # Only a request holding no blocks looks up the cache (vLLM): one whose pull failed keeps
+            # the blocks it allocated for its prompt, a local hit of 0 included, and was counted then.
+            fresh = not req.blocks
             use_cache = fresh and not req.skip_prefix_cache and self.enable_prefix_caching
             hits = self.pool.longest_hit(req.chain, (req.num_tokens - 1) // self.block_size) if use_cache else []
             hit_tokens = len(hits) * self.block_size

@@ -165,6 +165,40 @@ def test_remote_prefill_failure_recomputes_or_fails_by_policy() -> None:
             assert (s.prefill_tokens_computed, s.requests, s.pool.num_used) == (0, {}, 0)
 
 
+def test_recompute_after_a_failed_load_prefills_into_the_blocks_it_holds() -> None:
+    """A request whose pull failed keeps the blocks it allocated for its whole prompt and does not
+    look the cache up again (vLLM looks up only for a request holding none), even with a local hit
+    of 0: b prefills into its own 7 blocks, in order, caches them, and is counted once."""
+    s = Scheduler(hash_seed="0", block_size=16, num_gpu_blocks=64, recompute_kv_load_failures=True)
+    prompt = list(range(100))
+    s.add_request(SimRequest("a", prompt, max_tokens=3, remote_prefill={"do_remote_prefill": True}))
+    s.add_request(SimRequest("b", prompt, max_tokens=3, remote_prefill={"do_remote_prefill": True}))
+    s.step()
+    assert s.pool.num_used == 14  # 7 + 7, no hit for either
+    assert s.finish_remote_load("a", ok=True)  # a's 6 full blocks are cached now
+    assert s.finish_remote_load("b", ok=False)  # b prefills here
+    b = s.requests["b"]
+    own = [x.block_id for x in b.blocks]
+    s.take_events()
+    step = s.step()
+    assert [x.block_id for x in b.blocks] == own and s.pool.num_used == 14
+    assert step.num_prefill_tokens == 100 and b.num_cached_blocks == 6
+    stored = [h for e in s.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert len(stored) == 6  # b's own full prompt blocks
+    assert (s.stats.prompt_tokens, s.stats.prefix_cache_queries, s.stats.prefix_cache_hits) == (200, 200, 0)
+
+
+def test_recompute_after_a_failed_load_counts_the_admission_once() -> None:
+    s = Scheduler(hash_seed="0", block_size=16, num_gpu_blocks=64, recompute_kv_load_failures=True)
+    s.add_request(SimRequest("d", list(range(100)), max_tokens=1, remote_prefill={"do_remote_prefill": True}))
+    s.step()
+    assert s.finish_remote_load("d", ok=False)
+    run(s)
+    st = s.stats
+    assert (st.prompt_tokens, st.prefix_cache_queries, st.prompt_tokens_cache_hit) == (100, 100, 0)
+    assert (st.external_prefix_cache_queries, st.external_prefix_cache_hits) == (100, 100)
+
+
 def test_remote_decode_pins_blocks_until_released() -> None:
     s = make()
     r = SimRequest("p", list(range(100)), max_tokens=1, remote_decode=True)
