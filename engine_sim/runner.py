@@ -296,8 +296,10 @@ class EngineRunner:
             if not result.num_scheduled_tokens:
                 self.cpu_s += time.perf_counter() - t0
                 # vLLM steps on while it holds any request (one pulling its KV, one waiting for
-                # room, one just aborted), and an empty step sends its scheduler stats too.
+                # room, one just aborted), and an empty step sends its scheduler stats and events
+                # too (a pull's start can evict cached blocks).
                 sched.publish_stats()
+                self._publish_events()
                 await self._wake.wait()
                 next_at = self._poked_at
                 continue
@@ -325,11 +327,14 @@ class EngineRunner:
             t1 = time.perf_counter()
             self._deliver(result, next_at)
             sched.publish_stats()
-            events = sched.take_events()
-            if events:
-                self.publisher.drop_fraction = self.faults.drop_event_fraction
-                self.publisher.publish(events)
+            self._publish_events()
             self.cpu_s += time.perf_counter() - t1
+
+    def _publish_events(self) -> None:
+        events = self.scheduler.take_events()
+        if events:
+            self.publisher.drop_fraction = self.faults.drop_event_fraction
+            self.publisher.publish(events)
 
     def _deliver(self, result: StepResult, at: float) -> None:
         stats = self.scheduler.stats

@@ -16,7 +16,8 @@ import aiohttp
 import pytest
 
 from engine_sim import SimServer, disagg
-from tests.engine_sim.conftest import sim_config
+from engine_sim.request import SimRequest
+from tests.engine_sim.conftest import connected_subscriber, events_of, sim_config
 from worker_shim.adapters.vllm import load_from_metrics
 
 # Wall-clock latencies: run serially, away from the parallel suite's CPU load (see Makefile).
@@ -398,3 +399,30 @@ async def test_a_failed_pull_fails_the_request_as_vllm_does_by_default() -> None
         assert 'vllm:nixl_num_failed_transfers_total{engine="0",model_name="sim-llama"} 3.0' in text
         assert 'vllm:request_success_total{engine="0",finished_reason="error",model_name="sim-llama"} 3.0' in text
         assert d.engine.prefill_tokens_computed == 0 and d.engine.num_blocks_in_use == 0
+
+
+def _hashes(messages: list[list[bytes]], kind: str) -> list[int]:
+    return [h for e in events_of(messages) if e["type"] == kind for h in e["block_hashes"]]
+
+
+async def test_blocks_a_pull_evicts_as_it_starts_are_published_at_once() -> None:
+    """The step that only starts a pull computes nothing, yet allocating the prompt's blocks can
+    evict cached ones: their BlockRemoved go out with that step, as vLLM's empty steps publish
+    their events, not when the pull ends (never, on an engine idle after a failed pull)."""
+    async with SimServer(sim_config(role="decode", num_gpu_blocks=9, kv_transfer_gbps=1e-6)) as d:
+        sub = await connected_subscriber(d)
+        try:
+            assert await d.runner.submit(SimRequest("warm", list(range(100)), max_tokens=1)).result()
+            stored = _hashes(await sub.wait_for(1), "BlockStored")
+            assert len(stored) == 6
+            # 100 new tokens need 7 of the 8 blocks: all but one of warm's cached ones go; the
+            # pull then runs for minutes (a 1 kB/s link).
+            pulling = d.runner.submit(SimRequest("d", list(range(500, 600)), max_tokens=2, remote_prefill=STALE))
+            await sub.wait_for(2)
+            removed = _hashes(sub.messages[1:], "BlockRemoved")
+            assert not pulling.finished and d.engine.requests["d"].num_external_tokens == 100
+            assert len(removed) == 6 - len(d.engine.cached_block_prefixes()) == 5
+            assert set(removed) < set(stored)
+            d.runner.abort("d")
+        finally:
+            sub.close()
