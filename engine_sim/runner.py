@@ -456,7 +456,10 @@ class EngineRunner:
         # real RDMA read's control messages do; the request resumes when both are done.
         session = self._session_for(params)
         ok, _ = await asyncio.gather(disagg.pull(params, session), asyncio.sleep(seconds))
-        if not self.scheduler.finish_remote_load(request_id, ok):
+        resumed = self.scheduler.finish_remote_load(request_id, ok)
+        if resumed is None:  # aborted during the pull: nothing waits for it
+            return
+        if not resumed:
             log.warning("remote KV for %s unavailable; the request fails (kv_load_failure_policy fail)", request_id)
             self.abort(request_id, "error")
         elif not ok:

@@ -182,13 +182,14 @@ class Scheduler:
         req.blocks = []
         return True
 
-    def finish_remote_load(self, request_id: str, ok: bool) -> bool:
+    def finish_remote_load(self, request_id: str, ok: bool) -> bool | None:
         """A remote-KV transfer ended: on success only the last prompt token remains to compute.
         On failure the request ends with finish reason "error" (vLLM's default policy: False is
-        returned), or, recomputing, prefills locally from its own cache hit."""
+        returned), or, recomputing, prefills locally from its own cache hit. None, changing
+        nothing, when no request waits for it (aborted during the pull)."""
         req = self.requests.get(request_id)
         if req is None or req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return True
+            return None
         req.status = RequestStatus.WAITING
         if ok:
             self.stats.external_kv_tokens += req.num_external_tokens

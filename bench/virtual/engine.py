@@ -258,7 +258,7 @@ class VirtualEngine:
         self.clock.after(self.transfer_s(tokens), self._transfer_done, rid, ok)
 
     def _transfer_done(self, rid: str, ok: bool) -> None:
-        if not self.scheduler.finish_remote_load(rid, ok):
+        if self.scheduler.finish_remote_load(rid, ok) is False:
             # Failed (kv_load_failure_policy fail): vLLM counts it finished, and its client gets
             # finish reason "error" with no token, as the runner ends its stream.
             self._count_finish(rid, "error")

@@ -426,3 +426,24 @@ async def test_blocks_a_pull_evicts_as_it_starts_are_published_at_once() -> None
             d.runner.abort("d")
         finally:
             sub.close()
+
+
+def _task(name: str) -> asyncio.Task[Any] | None:
+    return next((t for t in asyncio.all_tasks() if t.get_name() == name), None)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+async def test_a_pull_failing_for_a_request_aborted_during_it_logs_nothing(
+    policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The request is gone: neither "prefilling locally" nor "the request fails" is true of it."""
+    async with SimServer(sim_config(role="decode", kv_load_failure_policy=policy, kv_transfer_gbps=0.001)) as d:
+        stream = d.runner.submit(SimRequest("d", list(range(100)), max_tokens=2, remote_prefill=STALE))
+        await until(lambda: _task("kv-pull-d") is not None, "d's pull started")
+        pull = _task("kv-pull-d")
+        assert pull is not None
+        d.runner.abort("d")
+        assert stream.finish_reason == "abort"
+        await pull
+        assert not [r for r in caplog.records if "remote KV for d" in r.getMessage()]
+        assert d.engine.stats.failed_transfers == 0 and d.engine.num_blocks_in_use == 0

@@ -199,6 +199,15 @@ def test_recompute_after_a_failed_load_counts_the_admission_once() -> None:
     assert (st.external_prefix_cache_queries, st.external_prefix_cache_hits) == (100, 100)
 
 
+def test_a_load_ending_for_a_request_no_longer_waiting_for_it_changes_nothing() -> None:
+    s = Scheduler(hash_seed="0", block_size=16, num_gpu_blocks=64)
+    s.add_request(SimRequest("d", list(range(100)), max_tokens=1, remote_prefill={"do_remote_prefill": True}))
+    s.step()
+    assert s.abort("d")  # the client went away during the pull
+    assert s.finish_remote_load("d", ok=False) is None and s.finish_remote_load("d", ok=True) is None
+    assert s.stats.failed_transfers == 0 and s.pool.num_used == 0
+
+
 def test_remote_decode_pins_blocks_until_released() -> None:
     s = make()
     r = SimRequest("p", list(range(100)), max_tokens=1, remote_decode=True)
