@@ -52,6 +52,8 @@ Rules:
 Single-owner and synchronous: nothing here awaits. `apply` folds a batch in one go; `folding`
 pauses within a long stored chain every FOLD_BLOCKS blocks, so that its owner can let its loop run
 (a 128 k-token prompt's one Stored is 8,192 blocks), the event already validated and hashed whole.
+A `reset` while it is paused ends it: the rest of its chain and batch came before the reset, which
+withdraws all that came before, so none of it is linked into the cleared set.
 """
 
 from __future__ import annotations
@@ -168,6 +170,7 @@ class Normaliser:
         # KV cache group -> kind, as its Stored events say: the engine's layout, kept over resets.
         self._groups: dict[int, str] = {}
         self.windows = WindowEndpoints()
+        self._resets = 0  # `reset`s so far: a paused `folding` ends when one came meanwhile
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -228,6 +231,7 @@ class Normaliser:
         self._canon_parent.clear()
         self._retired.clear()
         self.windows.clear()
+        self._resets += 1
         self.exact = exact
         self.rebuild_parents = set()
         self.stats.resets += 1
@@ -243,13 +247,17 @@ class Normaliser:
     def folding(self, events: Iterable[EngineEvent], out: list[KvEvent]) -> Iterator[None]:
         """`apply`, appending to `out`, pausing (yielding) after every FOLD_BLOCKS blocks of a long
         stored chain. At a pause `out` says all the normaliser holds that it did not before: the
-        owner publishes it then, as whatever runs meanwhile (a kvstate dump) reads the set."""
+        owner publishes it then, as whatever runs meanwhile (a kvstate dump) reads the set. A
+        `reset` meanwhile (the stream found to be another engine's) ends it: nothing more is folded, the
+        rest of the batch included."""
         window: list[EngineStored | EngineRemoved] = []
+        resets = self._resets
         for ev in events:
             if isinstance(ev, EngineCleared):
                 self._windowed(window, out)
                 window = []
                 out.extend(self.reset(exact=True))
+                resets = self._resets
                 continue
             kind = self._kind_of(ev)
             if kind == FULL:
@@ -259,6 +267,8 @@ class Normaliser:
                     self._offloaded(ev.hashes, tier)
                 else:
                     yield from self._stored(ev, out)
+                    if self._resets != resets:
+                        return
             elif kind == WINDOW:
                 window.append(ev)
             elif kind is None:  # a removal or placeholder of a group no Stored has named yet
@@ -510,12 +520,15 @@ class Normaliser:
         run: list[int] = []
         run_parent = parent
         prev = parent
+        resets = self._resets
         for i, (eh, ch) in enumerate(zip(hashes, canon, strict=True)):
             if i and not i % FOLD_BLOCKS:
                 if run:
                     out.append(Stored(hashes=run, parent=run_parent, medium=medium))
                     run = []
                 yield
+                if self._resets != resets:  # the set was cleared meanwhile: its parent is gone
+                    return
                 dropped = self._dropped.get(hashes[i - 1])
                 if dropped is not None:  # its adapter was dropped meanwhile: the rest of the chain with it
                     for rest in hashes[i:]:

@@ -10,7 +10,7 @@ import asyncio
 import random
 import time
 
-from protocol import KvEvent, Removed, Stored, block_hashes, unpack_hashes
+from protocol import Cleared, KvEvent, Removed, Stored, block_hashes, unpack_hashes
 from protocol.hashing import chain_salt
 from protocol.vllm_events import BlockStored, encode_batch
 from router.block_index import BlockIndex
@@ -87,3 +87,24 @@ def test_an_adapter_dropped_while_its_long_chain_is_folded_drops_the_rest_of_the
     # the engine's later blocks of that chain are dropped quietly: no unknown parent, no rebuild
     tail = EngineStored(hashes=[7], parent=engine[-1], token_ids=list(range(B)), block_size=B, salt="A")
     assert n.apply([tail]) == [] and n.stats.unknown_parent == 0 and not n.needs_rebuild
+
+
+def test_a_reset_while_a_long_chain_is_folded_ends_the_folding() -> None:
+    """The endpoint probe may find the stream another engine's while a long chain's folding is
+    paused: the shim's reset withdraws what it published, and the rest of the chain and of its
+    batch is neither folded into the cleared set nor said after the Cleared."""
+    engine, tokens = _prompt(3)
+    n = Normaliser(B)
+    out: list[KvEvent] = []
+    other = EngineStored(hashes=[7], parent=None, token_ids=list(range(B)), block_size=B)
+    folding = n.folding([EngineStored(hashes=engine, parent=None, token_ids=tokens, block_size=B), other], out)
+    next(folding)  # paused after the first FOLD_BLOCKS blocks, which the owner publishes
+    (first,) = out
+    assert isinstance(first, Stored) and len(unpack_hashes(first.hashes)) == FOLD_BLOCKS == len(n)
+    out.clear()
+    assert n.reset(exact=False) == [Cleared()]
+    assert list(folding) == [] and out == []
+    assert len(n) == 0 and n.dump() == [] and n.canonical_hashes() == set()
+    # nor did the engine map take the rest: a child of the chain's last block has no known parent
+    tail = EngineStored(hashes=[8], parent=engine[-1], token_ids=list(range(B)), block_size=B)
+    assert n.apply([tail]) == [] and n.stats.unknown_parent == 1 and not n.needs_rebuild
