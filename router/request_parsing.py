@@ -93,6 +93,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 
 _SEED = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+_TRUNCATE = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]
 
 
 class _CompletionFields(msgspec.Struct, kw_only=True):
@@ -106,7 +107,7 @@ class _CompletionFields(msgspec.Struct, kw_only=True):
     seed: _SEED | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: _TRUNCATE | None = None
     truncation_side: Literal["left", "right"] | None = None
     add_special_tokens: bool = True
     kv_transfer_params: dict[str, Any] | None = None
@@ -126,7 +127,7 @@ class _ChatFields(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     tools: list[Any] | None = None
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: _TRUNCATE | None = None
     truncation_side: Literal["left", "right"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

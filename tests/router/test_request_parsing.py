@@ -194,6 +194,25 @@ def test_what_vllm_would_not_read_is_400_naming_it(name: str, value: Any, kind: 
     }  # fmt: skip
 
 
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize(
+    ("value", "kind", "msg", "ctx"),
+    [
+        (-5, "greater_than_equal", "Input should be greater than or equal to -1", {"ge": -1}),
+        (2**63, "less_than_equal", f"Input should be less than or equal to {2**63 - 1}", {"le": 2**63 - 1}),
+    ],
+)
+def test_a_truncation_vllms_model_bounds_is_its_400(chat: bool, value: int, kind: str, msg: str, ctx: Any) -> None:
+    """vLLM 0.32 types truncate_prompt_tokens ge=-1, le=2**63-1: -5 is no "truncate to the context"."""
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    with pytest.raises(ApiError) as err:
+        parse_request({**prompt, "truncate_prompt_tokens": value}, chat=chat)
+    detail = {"type": kind, "loc": "body.truncate_prompt_tokens", "msg": msg, "input": str(value), "ctx": ctx}
+    assert err.value.body()["error"]["message"] == f"1 validation error:\n  {detail}"
+    assert err.value.param == "body.truncate_prompt_tokens"
+    assert parse_request({**prompt, "truncate_prompt_tokens": -1}, chat=chat).truncate_to_context is not None
+
+
 @pytest.mark.parametrize(
     ("chat", "extra", "shape"),
     [
