@@ -141,7 +141,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=_LONG - 1)] | None = None
     truncation_side: Any = None  # "left" | "right" | None, refused in vLLM's words (_check_body)
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
@@ -659,8 +659,6 @@ def _check_body(body: _Sampling) -> None:
     details = [e for name in names if (value := getattr(body, name)) is not None for e in _FIELD_CHECKS[name](value)]
     if details:
         raise validation_error(details)
-    if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < -1:
-        raise SimRequestError("truncate_prompt_tokens must be >= -1", param="truncate_prompt_tokens")
 
 
 # vLLM's `response_format`: ResponseFormat | StructuralTagResponseFormat |

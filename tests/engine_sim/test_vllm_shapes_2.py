@@ -769,6 +769,12 @@ VLLM_PYDANTIC: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     (CHAT, {"seed": "abc", "tools": [{"type": "x", "function": {"name": "f"}}]}, pydantic(
         SEED_TEXT, "{'type': 'literal_error', 'loc': 'body.tools.0.type', 'msg': \"Input should be 'function'\", "
         "'input': 'x', 'ctx': {'expected': \"'function'\"}}")),
+    *((path, {"truncate_prompt_tokens": -5}, pydantic(
+        "{'type': 'greater_than_equal', 'loc': 'body.truncate_prompt_tokens', 'msg': 'Input should be greater than "
+        "or equal to -1', 'input': '-5', 'ctx': {'ge': -1}}")) for path in (C, CHAT)),
+    (C, {"truncate_prompt_tokens": 2**63}, pydantic(
+        "{'type': 'less_than_equal', 'loc': 'body.truncate_prompt_tokens', 'msg': 'Input should be less than or "
+        "equal to 9223372036854775807', 'input': '9223372036854775808', 'ctx': {'le': 9223372036854775807}}")),
     (CHAT, {"max_completion_tokens": "x"}, pydantic(
         "{'type': 'int_parsing', 'loc': 'body.max_completion_tokens', 'msg': 'Input should be a valid integer, "
         "unable to parse string as an integer', 'input': 'x'}")),
