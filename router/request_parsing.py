@@ -416,7 +416,7 @@ def parse_request(body: Any, *, chat: bool, vllm_only: bool = True) -> ParsedReq
 
 def header_priority(headers: Mapping[str, str]) -> int | None:
     """X-Vllm-Priority, which vLLM takes over the body's `priority`; None when absent or no
-    integer (the engine refuses that request itself)."""
+    integer, where vLLM 0.32 takes the body's with no error (_get_priority), as the caller does."""
     value = headers.get("X-Vllm-Priority")
     if value is None:
         return None
