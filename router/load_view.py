@@ -14,34 +14,27 @@ booking stops counting once a report covers it:
   arrived: the engine allocates a request's blocks when it schedules it, and from then on
   `kv_used_blocks` includes them (and their growth while decoding).
 
-Timestamps are wall-clock (`time.time`, like `LoadReport.ts`): the rule assumes the router and shims
-keep NTP time. Skew only shifts when a booking hands over to the reports: a shim clock behind ours
-double-counts for the skew (never past the first token; past MAX_REORDER_S, a finished prompt too,
-until the next report: Order), one ahead undercounts until the next report. A peer's booking is
-stamped when it arrives here, a little after the peer made it, which errs on the side of counting
-it.
+Timestamps are wall-clock (`time.time`, like `LoadReport.ts`): the rule assumes the router and
+shims keep NTP time. Skew only shifts when a booking hands over to the reports: a shim clock behind
+ours double-counts for the skew (never past the first token), one ahead undercounts until the next
+report. A peer's booking is stamped when it arrives here, a little after the peer made it, which
+errs on the side of counting it.
 
 Order. A worker's reports replace each other by stamp, not arrival: one stamped before the one held
 by at most MAX_REORDER_S came late and only proves the worker alive. One older by more is the
 worker's clock stepping back (NTP step, VM resume): it is taken, and `update` says how far back,
 since dropping it would freeze the worker's figures and read it as silent for as long as the step
-while it reports every second. Coverage stays at the newest stamp the worker has sent: a clock never
-ahead of real time stamps each report at or before its making, and one publisher's reports arrive in
-the order made (NATS), so no report held was made before that stamp (of two publishers under one
-name, a takeover, one made earlier can arrive later and be held). Nothing else is sound: a stamp
+while it reports every second. Coverage stays at the newest stamp the worker has sent: a clock
+never ahead of real time stamps each report at or before its making, and a later report was made
+after an earlier one, so no report held was made before that stamp. Nothing else is sound: a stamp
 moved forward by the step (2026-12-08) went past its report's making once the clock stepped forward
 again, or the delivery slowed, by as much (every stamp 0.2 s past its making for good after back
 5 s, forward 1.2 s), and a report made before a booking covered it. So a booking made after a step
-back of S counts, in the reports and as a booking, until the worker's own clock passes it (up to S),
-erring toward counting it longer; a stored stamp never passes the newest of the one before and the
-stamp as sent. A release (`_WorkerBookings`) weighs the worker's stamp against our clock, so none is
-kept while its stamps trail: a report taken that is stamped behind its newest stamp, or behind its
-arrival by more than MAX_REORDER_S, drops those held, and a first token records none until a report
-that does not trail. Until the review of 21cd66e only a stamp behind the newest trailed: a clock
-past its old newest stamp but still S behind ours (a VM resumed) kept every release for S, rate x S
-entries summed by each `load()`, and read a report made after a first token as made before it,
-taking the prompt off a report that no longer held it. Now a report made before a first token that
-arrives after it counts the prompt as queued until the next report, erring toward counting.
+back of S counts, in the reports and as a booking, until the worker's own clock passes it (up to
+S), erring toward counting it longer; a stored stamp never passes the newest of the one before and
+the stamp as sent. The step drops the releases held for that worker (judged on the stamps before
+it), and none is recorded while its clock is behind its newest stamp: every report it sends then
+was made after that stamp, so none counts a finished prompt as queued.
 
 Bookings are kept per router (None is this router), then per request_id, so what one router holds
 (`held`, `keys`, `confirm_all`: a peer's snapshots) costs its own bookings, not the fleet's. One
@@ -53,11 +46,10 @@ Inflow. Every booking's prompt tokens also feed `prefill_inflow`, an exponential
 its time a prefill worker will spend prefilling while a request spilled to it decodes
 (router.policies.slo_aware).
 
-Cost. Each worker keeps the sums of what no report covers yet, updated as bookings come, finish and
-get covered (by the newest stamp the worker has sent, so coverage never reverts), so `load()` costs
-the same with 5 or 5,000 requests in flight: a router that falls behind does not slow down with it.
-The releases it sums are of the first tokens since the worker's newest stamp, and none is kept while
-that trails its arrival by more than MAX_REORDER_S: a report period's or so.
+Cost. Each worker keeps the sums of what no report covers yet, updated as bookings come, finish
+and get covered (by the newest stamp the worker has sent, so coverage never reverts), so `load()`
+costs the same with 5 or 5,000 requests in flight: a router that falls behind does not slow down
+with it.
 """
 
 from __future__ import annotations
@@ -149,8 +141,7 @@ class _WorkerBookings:
     The mirror image: a report made while a request waited (`booked_at <= ts < prefill_done_at`)
     includes its prompt tokens as queued, and may arrive after the router saw the first token.
     `released(report_ts)` is what such a report still holds of requests whose prefill is done; the
-    entries go once a report with `ts >= prefill_done_at` arrives, or all of them when the worker's
-    stamps stop matching our clock (`drop_releases`, LoadView's Order).
+    entries go once a report with `ts >= prefill_done_at` arrives.
     """
 
     __slots__ = ("_by_booked", "_by_done", "_by_released", "_order", "blocks", "bookings", "prefill", "requests")
@@ -252,7 +243,6 @@ class _Report:
     report: LoadReport
     received_at: float  # of the worker's latest report, taken or not
     covers: float  # the newest stamp taken from the worker: no later report of it was made before (Order)
-    lagging: bool  # its stamp trails: behind `covers`, or its arrival by more than MAX_REORDER_S (Order)
 
 
 _NO_REPORT = float("-inf")
@@ -273,23 +263,23 @@ class LoadView:
     def update(self, report: LoadReport) -> float | None:
         """The latest report of `report.worker`. One stamped before the one held by at most
         MAX_REORDER_S (reordered) is dropped, but the worker is alive; one older by more is taken,
-        and the seconds its clock stepped back are returned (None otherwise). One taken whose stamp
-        trails (Order) drops the worker's releases."""
+        and the seconds its clock stepped back are returned (None otherwise)."""
         now = self._clock()
         if not report.ts <= now + MAX_CLOCK_SKEW_S:  # also NaN
             report = msgspec.structs.replace(report, ts=now + MAX_CLOCK_SKEW_S)
         held = self._reports.get(report.worker)
-        back = held.report.ts - report.ts if held is not None else 0.0
-        if held is not None and 0 < back <= MAX_REORDER_S:
-            self._reports[report.worker] = _Report(held.report, now, held.covers, held.lagging)
+        if held is None:
+            self._reports[report.worker] = _Report(report, now, report.ts)
             return None
-        covers = max(report.ts, held.covers) if held is not None else report.ts
-        lagging = report.ts < covers or now - report.ts > MAX_REORDER_S
-        if lagging:  # its stamps cannot tell a report made before a first token from one made after
+        back = held.report.ts - report.ts
+        if 0 < back <= MAX_REORDER_S:
+            self._reports[report.worker] = _Report(held.report, now, held.covers)
+            return None
+        if back > 0:  # its clock stepped back: what it held was judged on the stamps before the step
             on_worker = self._by_worker.get(report.worker)
             if on_worker is not None:
                 on_worker.drop_releases()
-        self._reports[report.worker] = _Report(report, now, covers, lagging)
+        self._reports[report.worker] = _Report(report, now, max(report.ts, held.covers))
         return back if back > 0 else None
 
     def liveness(self, worker: str) -> Liveness | None:
@@ -365,9 +355,9 @@ class LoadView:
         for booking in self._bookings_of(router, request_id):
             if booking.prefill_done_at is None and worker in (None, booking.worker):
                 held = self._reports.get(booking.worker)
-                # Stamps that trail (Order) cannot tell a report made before now from one made after:
-                # no release, so one made before counts the prompt as queued until the next report.
-                lagging = held is not None and held.lagging
+                # Its clock is back behind a stamp it sent before: every report it sends until it passes
+                # that stamp was made after now, so none still counts the prompt as queued.
+                lagging = held is not None and held.report.ts < held.covers
                 self._by_worker[booking.worker].prefill_done(booking, now, release=not lagging)
 
     def free(self, request_id: str, *, router: str | None = None) -> None:

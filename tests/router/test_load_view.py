@@ -233,61 +233,6 @@ def test_what_a_stepped_back_worker_held_is_let_go_by_its_next_reports(view: Loa
     assert view._by_worker.get("w1") is None  # nothing held: no release left to sum
 
 
-def test_a_worker_still_behind_once_past_its_old_stamp_holds_no_release_to_sum(view: LoadView, clock: Clock) -> None:
-    """A VM resumed 30 s behind: once its clock passed its newest stamp before the step, the view
-    recorded each first token's release again (stamped with our clock) and let it go only when the
-    worker's stamps passed it, 30 s later: rate x step entries, all summed by every `load()`
-    (14,950 at 600 s, review of 21cd66e). Stamps trailing their arrival by more than MAX_REORDER_S
-    record none."""
-    step, rate = 30.0, 50
-    view.update(report(ts=clock.now))
-    made, step_at = clock.now, clock.now + 1.0
-    live: list[tuple[float, str]] = []  # (booked at, request) until its first token, 0.2 s on
-    most = 0
-    for i in range(int((step + 30.0) * rate)):
-        clock.now += 1 / rate
-        view.book(f"r{i}", "w1", 100, 4)
-        live.append((clock.now, f"r{i}"))
-        while live and clock.now - live[0][0] >= 0.2:
-            view.prefill_done(live.pop(0)[1])
-        view.free(f"r{i - rate}")  # a second after its booking
-        if clock.now - made >= 0.1:
-            made = clock.now
-            behind = step if clock.now >= step_at else 0.0
-            view.update(report(ts=clock.now - 0.01 - behind, prefill_tokens_queued=100 * len(live)))
-        view.load("w1")
-        most = max(most, len(view._by_worker["w1"]._by_released))
-    assert most <= rate  # a second's first tokens at most, not the step's
-
-
-def test_a_report_from_a_clock_still_behind_made_after_a_first_token_counts_as_it_is(
-    view: LoadView, clock: Clock
-) -> None:
-    """Its stamp 10 s behind ours read as made before A's first token, whose release (booked before
-    that stamp on our clock, done after it) then took A's 800 tokens off a report that held only C's
-    1000: 200 queued (review of 21cd66e). No release is recorded while its stamps trail."""
-
-    def sent(made: float, queued: int) -> None:
-        view.update(report(ts=made - 10.0, prefill_tokens_queued=queued))
-
-    view.update(report(ts=clock.now))
-    clock.now = 1001.0
-    sent(clock.now, 0)  # stepped back 10 s (a VM resumed), and stays behind
-    clock.now = 1020.0
-    sent(clock.now, 0)  # its clock (1010) is past its newest stamp before the step
-    clock.now = 1030.0
-    view.book("A", "w1", 800, 1)
-    clock.now = 1031.0
-    view.book("C", "w1", 1000, 1)  # a long prefill, still queued at the end
-    clock.now = 1032.0
-    sent(clock.now, 1800)
-    clock.now = 1035.0
-    view.prefill_done("A")
-    clock.now = 1042.5
-    sent(clock.now, 1000)  # made after A's first token: C alone; its stamp (1032.5) covers both bookings
-    assert (view.load("w1").prefill_tokens_queued, view.load("w1").booked_requests) == (1000, 0)
-
-
 def test_booking_counts_at_once_on_top_of_an_older_report(view: LoadView, clock: Clock) -> None:
     view.update(report(ts=clock.now - 1, prefill_tokens_queued=100, kv_used_blocks=10))
     view.book("r1", "w1", 2000, 130)
