@@ -16,9 +16,11 @@ booking stops counting once a report covers it:
 
 Timestamps are wall-clock (`time.time`, like `LoadReport.ts`): the rule assumes the router and
 shims keep NTP time. Skew only shifts when a booking hands over to the reports: a shim clock behind
-ours double-counts for the skew (never past the first token), one ahead undercounts until the next
-report. A peer's booking is stamped when it arrives here, a little after the peer made it, which
-errs on the side of counting it.
+ours double-counts a booking for the skew (never past the first token), and undercounts a finished
+prompt for up to the skew (its release, stamped on our clock, is subtracted from a report its clock
+stamps before it, though made after the first token); one ahead undercounts until the next report.
+A peer's booking is stamped when it arrives here, a little after the peer made it, which errs on
+the side of counting it.
 
 Order. A worker's reports replace each other by stamp, not arrival: one stamped before the one held
 by at most MAX_REORDER_S came late and only proves the worker alive. One older by more is the
@@ -26,15 +28,21 @@ worker's clock stepping back (NTP step, VM resume): it is taken, and `update` sa
 since dropping it would freeze the worker's figures and read it as silent for as long as the step
 while it reports every second. Coverage stays at the newest stamp the worker has sent: a clock
 never ahead of real time stamps each report at or before its making, and a later report was made
-after an earlier one, so no report held was made before that stamp. Nothing else is sound: a stamp
+after an earlier one (one publisher: NATS keeps its order; a takeover's two publishers may not), so
+no report held was made before that stamp. Nothing else is sound: a stamp
 moved forward by the step (2026-12-08) went past its report's making once the clock stepped forward
 again, or the delivery slowed, by as much (every stamp 0.2 s past its making for good after back
 5 s, forward 1.2 s), and a report made before a booking covered it. So a booking made after a step
 back of S counts, in the reports and as a booking, until the worker's own clock passes it (up to
 S), erring toward counting it longer; a stored stamp never passes the newest of the one before and
 the stamp as sent. The step drops the releases held for that worker (judged on the stamps before
-it), and none is recorded while its clock is behind its newest stamp: every report it sends then
-was made after that stamp, so none counts a finished prompt as queued.
+it), and none is recorded while its clock is behind its newest stamp (a report made before a first
+token and still on the way then counts that prompt as queued until the next one). Once its clock
+passes that stamp but stays S behind ours, it is a clock behind (Skew above) by S: releases wait
+up to S for a stamp past them (rate x S of them summed by `load()`) and a finished prompt is
+undercounted for up to S, until NTP sets it right; 3bc08a4 judged "behind" by a report's transit
+instead, and a steady delivery delay over MAX_REORDER_S then counted every finished prompt as
+queued on every worker (reverted).
 
 Bookings are kept per router (None is this router), then per request_id, so what one router holds
 (`held`, `keys`, `confirm_all`: a peer's snapshots) costs its own bookings, not the fleet's. One
@@ -49,7 +57,7 @@ its time a prefill worker will spend prefilling while a request spilled to it de
 Cost. Each worker keeps the sums of what no report covers yet, updated as bookings come, finish
 and get covered (by the newest stamp the worker has sent, so coverage never reverts), so `load()`
 costs the same with 5 or 5,000 requests in flight: a router that falls behind does not slow down
-with it.
+with it (bar a worker's clock S behind ours, whose releases wait up to S: above).
 """
 
 from __future__ import annotations
@@ -355,8 +363,8 @@ class LoadView:
         for booking in self._bookings_of(router, request_id):
             if booking.prefill_done_at is None and worker in (None, booking.worker):
                 held = self._reports.get(booking.worker)
-                # Its clock is back behind a stamp it sent before: every report it sends until it passes
-                # that stamp was made after now, so none still counts the prompt as queued.
+                # Its clock is back behind a stamp it sent before: no report it sends until it passes
+                # that stamp can be told made before or after now, so no release is recorded.
                 lagging = held is not None and held.report.ts < held.covers
                 self._by_worker[booking.worker].prefill_done(booking, now, release=not lagging)
 

@@ -731,3 +731,24 @@ def test_many_short_requests_on_a_silent_worker_keep_the_sums_right(view: LoadVi
     assert (view.load("w1").prefill_tokens_queued, view.load("w1").active_blocks) == (12, 4)
     view.update(report(ts=clock.now))
     assert (view.load("w1").prefill_tokens_queued, view.load("w1").active_blocks) == (0, 4)
+
+
+def test_reports_steadily_late_still_let_a_finished_prompt_go(view: LoadView, clock: Clock) -> None:
+    """The worker's clock right, its reports 1.5 s on the way (a busy router, a slow NATS): the one
+    made before A's first token still counts A, and A's release takes it off. 3bc08a4 read a report
+    over MAX_REORDER_S in transit as a clock behind, recorded no release, and counted every finished
+    prompt as queued on every worker (reverted)."""
+    late = 1.5
+    clock.now = 1000.0 + late
+    view.update(report(ts=1000.0))
+    clock.now = 1001.5
+    view.book("A", "w1", 800, 1)
+    clock.now = 1001.6
+    view.book("C", "w1", 1000, 1)
+    clock.now = 1002.0 + late
+    view.update(report(ts=1002.0, prefill_tokens_queued=1800))  # made while both were queued
+    clock.now = 1003.6
+    view.prefill_done("A")
+    clock.now = 1003.0 + late
+    view.update(report(ts=1003.0, prefill_tokens_queued=1800))  # made before A's first token
+    assert view.load("w1").prefill_tokens_queued == 1000
