@@ -29,9 +29,11 @@ class SimRequest:
     `choice` tells apart the `n` samples of one prompt; `min_tokens` keeps stop token ids from being
     emitted before that many tokens; `skip_prefix_cache` (vLLM sets it for prompt logprobs) makes
     the request compute its whole prompt. `lora`, the adapter the request named, picks the
-    HashChains its blocks hash into (the scheduler's, per adapter); `cache_salt` starts its chain."""
+    HashChains its blocks hash into (the scheduler's, per adapter); `cache_salt` starts its chain.
+    `admitted`: its prompt is counted in prompt_tokens (once, however often it is looked up)."""
 
     __slots__ = (
+        "admitted",
         "arrival",
         "blocks",
         "cache_salt",
@@ -99,6 +101,7 @@ class SimRequest:
         self.num_hit_tokens = 0
         self.num_external_tokens = 0
         self.num_preemptions = 0
+        self.admitted = False
         self.finish_reason: str | None = None
         self.kv_transfer_params: dict[str, Any] | None = None
 

@@ -203,6 +203,12 @@ class Scheduler:
             return False
         req.num_external_tokens = 0
         req.remote_prefill = None
+        if req.num_computed_tokens == 0:
+            # vLLM frees the blocks of a request left with no valid computed tokens: its retry looks
+            # the cache up afresh and may hit blocks cached during the pull.
+            self.pool.free(req.blocks)
+            req.blocks = []
+            req.num_cached_blocks = 0
         return True
 
     def has_waiting_work(self) -> bool:
@@ -322,9 +328,7 @@ class Scheduler:
                     break
                 skipped.append(waiting.popleft())
                 continue
-            # Only a request holding no blocks looks up the cache (vLLM): one whose pull failed keeps
-            # the blocks it allocated for its prompt, a local hit of 0 included, and was counted then.
-            fresh = not req.blocks
+            fresh = req.num_computed_tokens == 0
             use_cache = fresh and not req.skip_prefix_cache and self.enable_prefix_caching
             hits = self.pool.longest_hit(req.chain, (req.num_tokens - 1) // self.block_size) if use_cache else []
             hit_tokens = len(hits) * self.block_size
@@ -353,7 +357,11 @@ class Scheduler:
         if self.kv_connector or external:
             st.external_prefix_cache_queries += req.num_tokens - hit_tokens
             st.external_prefix_cache_hits += external
-        st.prompt_tokens += req.num_prompt_tokens
+        # vLLM counts each lookup above, but a prompt once, with its last lookup's hit: one looked up
+        # again (its pull failed with no local hit) had a hit of 0 before.
+        if not req.admitted:
+            st.prompt_tokens += req.num_prompt_tokens
+        req.admitted = True
         st.prompt_tokens_cache_hit += min(hit_tokens, req.num_prompt_tokens)
         req.num_hit_tokens = hit_tokens
 

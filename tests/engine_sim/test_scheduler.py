@@ -165,11 +165,13 @@ def test_remote_prefill_failure_recomputes_or_fails_by_policy() -> None:
             assert (s.prefill_tokens_computed, s.requests, s.pool.num_used) == (0, {}, 0)
 
 
-def test_recompute_after_a_failed_load_prefills_into_the_blocks_it_holds() -> None:
-    """A request whose pull failed keeps the blocks it allocated for its whole prompt and does not
-    look the cache up again (vLLM looks up only for a request holding none), even with a local hit
-    of 0: b prefills into its own 7 blocks, in order, caches them, and is counted once."""
-    s = Scheduler(hash_seed="0", block_size=16, num_gpu_blocks=64, recompute_kv_load_failures=True)
+def test_recompute_after_a_failed_load_with_no_hit_frees_its_blocks_and_looks_up_again() -> None:
+    """vLLM 0.32 (_update_waiting_for_remote_kv): a failed pull with no valid computed tokens frees
+    the request's blocks ("there may be a local cache hit on retry"), and the retry, with
+    num_computed_tokens 0, looks the cache up afresh: b takes the 6 blocks a cached during the pull
+    and prefills 4 tokens. vLLM records the prefix-cache (and connector) queries at each lookup,
+    the prompt once, with its last lookup's hit."""
+    s = Scheduler(hash_seed="0", block_size=16, num_gpu_blocks=64, recompute_kv_load_failures=True, kv_connector=True)
     prompt = list(range(100))
     s.add_request(SimRequest("a", prompt, max_tokens=3, remote_prefill={"do_remote_prefill": True}))
     s.add_request(SimRequest("b", prompt, max_tokens=3, remote_prefill={"do_remote_prefill": True}))
@@ -178,34 +180,50 @@ def test_recompute_after_a_failed_load_prefills_into_the_blocks_it_holds() -> No
     assert s.finish_remote_load("a", ok=True)  # a's 6 full blocks are cached now
     assert s.finish_remote_load("b", ok=False)  # b prefills here
     b = s.requests["b"]
-    own = [x.block_id for x in b.blocks]
+    assert (b.blocks, s.pool.num_used) == ([], 7)  # b's blocks back in the pool
+    a_blocks = [x.block_id for x in s.requests["a"].blocks]
     s.take_events()
     step = s.step()
-    assert [x.block_id for x in b.blocks] == own and s.pool.num_used == 14
-    assert step.num_prefill_tokens == 100 and b.num_cached_blocks == 6
-    stored = [h for e in s.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
-    assert len(stored) == 6  # b's own full prompt blocks
-    assert (s.stats.prompt_tokens, s.stats.prefix_cache_queries, s.stats.prefix_cache_hits) == (200, 200, 0)
+    assert [x.block_id for x in b.blocks[:6]] == a_blocks[:6] and len(b.blocks) == 7
+    assert (step.num_prefill_tokens, s.pool.num_used, b.num_hit_tokens) == (4, 8, 96)
+    assert not [e for e in s.take_events() if isinstance(e, BlockStored)]  # nothing new to cache
+    st = s.stats
+    assert (st.prompt_tokens, st.prompt_tokens_cache_hit) == (200, 96)
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (300, 96)
+    assert (st.external_prefix_cache_queries, st.external_prefix_cache_hits) == (204, 200)
+    outs = [o for o in step.outputs if o.request_id == "b"]
+    assert outs[0].num_cached_tokens == 96
 
 
-def test_recompute_after_a_failed_load_counts_the_admission_once() -> None:
+def test_recompute_after_a_failed_load_with_a_local_hit_keeps_its_blocks() -> None:
+    """With valid computed tokens (its local hit) vLLM keeps the request's blocks and does not look
+    the cache up again: it prefills the rest of its prompt into them."""
+    s = Scheduler(hash_seed="0", block_size=16, num_gpu_blocks=64, recompute_kv_load_failures=True)
+    s.add_request(req("local", 40, base=0, max_tokens=1))
+    run(s)
+    s.add_request(SimRequest("d", list(range(100)), max_tokens=2, remote_prefill={"do_remote_prefill": True}))
+    s.step()
+    d = s.requests["d"]
+    held = [x.block_id for x in d.blocks]
+    assert s.finish_remote_load("d", ok=False)
+    assert [x.block_id for x in d.blocks] == held and d.num_computed_tokens == 32
+    step = s.step()
+    assert step.num_prefill_tokens == 68 and [x.block_id for x in d.blocks] == held
+    assert (s.stats.prompt_tokens, s.stats.prefix_cache_queries, s.stats.prefix_cache_hits) == (140, 140, 32)
+
+
+def test_recompute_after_a_failed_load_counts_the_prompt_once() -> None:
     s = Scheduler(hash_seed="0", block_size=16, num_gpu_blocks=64, recompute_kv_load_failures=True)
     s.add_request(SimRequest("d", list(range(100)), max_tokens=1, remote_prefill={"do_remote_prefill": True}))
     s.step()
     assert s.finish_remote_load("d", ok=False)
     run(s)
     st = s.stats
-    assert (st.prompt_tokens, st.prefix_cache_queries, st.prompt_tokens_cache_hit) == (100, 100, 0)
+    # two lookups (the pull's and the retry's), one prompt
+    assert (st.prompt_tokens, st.prefix_cache_queries, st.prompt_tokens_cache_hit) == (100, 200, 0)
+    # no KV connector (an agg sim): only the pull's lookup asks one
     assert (st.external_prefix_cache_queries, st.external_prefix_cache_hits) == (100, 100)
-
-
-def test_a_load_ending_for_a_request_no_longer_waiting_for_it_changes_nothing() -> None:
-    s = Scheduler(hash_seed="0", block_size=16, num_gpu_blocks=64)
-    s.add_request(SimRequest("d", list(range(100)), max_tokens=1, remote_prefill={"do_remote_prefill": True}))
-    s.step()
-    assert s.abort("d")  # the client went away during the pull
-    assert s.finish_remote_load("d", ok=False) is None and s.finish_remote_load("d", ok=True) is None
-    assert s.stats.failed_transfers == 0 and s.pool.num_used == 0
+    assert (s.prefill_tokens_computed, s.pool.num_used) == (100, 0)
 
 
 def test_remote_decode_pins_blocks_until_released() -> None:
