@@ -126,12 +126,17 @@ class Lease:
             log.exception("lease %s: its keep-alive failed (%r); the lease is taken as lost", self.hex_id, exc)
             # etcd still holds it: revoked first, or its keys (a name, an engine claim) stay until its
             # TTL passes and block the owner's registering anew under them.
+            defect: Exception | None = None
             try:
                 failure = await self._revoke_renewing(min(3.0, self.ttl)) if self._client.lease is not None else None
-            except Exception as again:  # the same defect may stand in its way: its TTL it is, then
+            except (grpc.RpcError, EtcdError, OSError) as again:  # etcd's failure, raised (as in revoke())
                 failure = again
+            except Exception as again:  # the same defect may stand in its way: its TTL it is, then
+                # another defect is an ERROR with its traceback (as in revoke()); this one's is just above
+                failure = again
+                defect = None if again is exc else again
             if failure is not None:
-                self._say_unrevoked(said(failure))
+                self._say_unrevoked(said(failure), defect)
             self._mark_lost(f"its keep-alive failed: {exc!r}", gone=failure is None)
 
     async def _renew(self) -> None:
@@ -241,10 +246,11 @@ class Lease:
 
     async def revoke(self, timeout: float = 3.0) -> bool:
         """Whether the lease is gone (revoked now, or already revoked, lost or expired); False after
-        a WARNING naming why etcd did not revoke it, or what raised instead: its keys then stay until
-        its TTL passes, and an owner whose peers act on them says what that costs (router.service). A
-        lease whose revoke failed before (here, or as a defect ended its keep-alive) is revoked again:
-        until a review of 2026-12-08 such a lease read as gone, etcd still holding it and its keys."""
+        a WARNING naming why etcd did not revoke it (an ERROR with its traceback for an unexpected
+        error): its keys then stay until its TTL passes, and an owner whose peers act on them says
+        what that costs (router.service). A lease whose revoke failed before (here, or as a defect
+        ended its keep-alive) is revoked again: until a review of 2026-12-08 such a lease read as
+        gone, etcd still holding it and its keys."""
         await self.stop_keep_alive()
         if self._gone:
             return True

@@ -42,9 +42,10 @@ told to `on_failing(error, seconds to the next try)` (a shim's episode: its log 
 without it the registration says the first at WARNING with what to do (discovery.advice), then at
 most every SAID_EVERY_S with a count (until 2026-12-07 each try was a WARNING, every 5 s for as long
 as a full etcd refused it, each a multi-line gRPC error). Each try etcd answers with the key still
-held by the lost lease (its revoke failed: waited out, a WARNING each) is told to
-`on_answered(KeyTaken)`: a shim's episode ends there (until a review of 2026-12-07 its /health said
-"registering with etcd fails for N s" for as long as the wait lasted, etcd answering all along).
+held by the lost lease (its revoke failed: waited out, each failure a WARNING, an ERROR with its
+traceback for an unexpected error) is told to `on_answered(KeyTaken)`: a shim's episode ends there
+(until a review of 2026-12-07 its /health said "registering with etcd fails for N s" for as long as
+the wait lasted, etcd answering all along).
 If a named key was taken meanwhile (`failure` is KeyTaken, naming the holder), a setting was refused
 (etcd's least TTL now above `ttl`, a write etcd denies the user, or one the owner's hook names:
 `failure` is the ConfigError naming the setting), or an owner's hook raised, `failed` is set: the

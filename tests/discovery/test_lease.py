@@ -100,6 +100,43 @@ async def test_a_defect_raised_by_a_revoke_is_said_with_its_traceback(
     assert record.exc_info is not None and record.exc_info[0] is TypeError
 
 
+@pytest.mark.parametrize("raises", ["another defect", "its own defect"])
+async def test_a_defect_raised_by_a_failed_keep_alives_revoke_is_said_with_its_traceback(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, raises: str
+) -> None:
+    """A keep-alive ended by a defect revokes its lease: a programming error raised by that revoke
+    was one WARNING worded as etcd's failure, without its traceback (review of 2026-12-08). The
+    keep-alive's own defect raised again keeps its WARNING: its traceback is in the ERROR before."""
+    own = RuntimeError("an unforeseen defect")
+
+    async def broken(self: Lease) -> None:
+        raise own
+
+    async def typo(self: Lease, timeout: float) -> BaseException | None:
+        if raises == "its own defect":
+            raise own
+        raise TypeError("revoke() got an unexpected keyword argument 'max_attempt'")
+
+    monkeypatch.setattr(Lease, "_renew", broken)
+    monkeypatch.setattr(Lease, "_revoke", typo)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        with caplog.at_level(logging.WARNING, logger="discovery.lease"):
+            lease = await d.grant(ttl=5)
+            await asyncio.wait_for(lease.lost.wait(), timeout=5.0)
+        records = list(caplog.records)
+        monkeypatch.undo()
+        assert await lease.revoke() is True
+    [failed] = [r for r in records if "the lease is taken as lost" in r.getMessage()]
+    assert failed.levelno == logging.ERROR and failed.exc_info is not None and failed.exc_info[1] is own
+    [record] = [r for r in records if "revoke failed" in r.getMessage()]
+    if raises == "another defect":
+        assert record.levelno == logging.ERROR and "an unexpected error" in record.getMessage()
+        assert record.exc_info is not None and record.exc_info[0] is TypeError
+        assert [r for r in records if r.exc_info and r.exc_info[0] is TypeError] == [record]
+    else:
+        assert record.levelno == logging.WARNING and record.exc_info is None
+
+
 async def test_a_revoke_says_the_lease_went(etcd_url: str, ns: str) -> None:
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
         lease = await d.grant(ttl=5)
