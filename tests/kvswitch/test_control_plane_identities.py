@@ -73,12 +73,10 @@ def _rogue_routes(member: NatsServer, identity: TlsFiles, client_tls: TlsFiles) 
         route_tls=identity,
         server_name="rogue",
     )
-    seen = len(member._log_path.read_bytes())
+    seen = len(member.log_path.read_bytes())
 
     def logs() -> str:
-        return member._log_path.read_bytes()[seen:].decode(errors="replace") + rogue._log_path.read_text(
-            errors="replace"
-        )
+        return member.log_path.read_bytes()[seen:].decode(errors="replace") + rogue.log_path.read_text(errors="replace")
 
     with rogue:
         deadline = time.monotonic() + 10
