@@ -40,7 +40,10 @@ whose steps average more holds prompts counted whole at their last chunk (vLLM a
 prompt's tokens, and one iteration, only then): it is priced as the chunks the engine ran, each over
 those before it (TimingModel.prefill_time, as WorkerTiming.prefill_s prices a prompt). Priced as one
 step, which the profile's tables extrapolate linearly past their last point, prompts of 40-120 k
-tokens fitted k_p 1.5 against a right profile.
+tokens fitted k_p 1.5 against a right profile. Steps averaging more tokens than one counts (a prompt
+at max_model_len, LONGEST_CONTEXT when the worker says none, and a budget of whole prompts beside
+it) cannot be true, and their stretch is dropped, counted, as for any figures that cannot be: priced,
+one report's +10^10 tokens held the event loop for seconds, in 10^6 chunks.
 
 C is per sequence because a decode step reads each running sequence's whole KV, a prefix shared
 with other sequences included (vLLM's paged attention does; engine_sim charges it so). C used to
@@ -147,6 +150,7 @@ from router.fleet_lines import FleetLines, FleetLog
 __all__ = [
     "DROPPED_WARN_AFTER",
     "FULL_BATCH_TOKENS",
+    "LONGEST_CONTEXT",
     "MAX_SCALE",
     "MIN_SCALE",
     "NO_CONTEXT_WARN_AFTER",
@@ -167,6 +171,7 @@ MAX_GAP_PERIODS = 2.0
 MAX_BUSY_GAP_PERIODS = 4.0
 PROMPT_INTERVALS = 40  # intervals with prompts the average prompt is summed over
 FULL_BATCH_TOKENS = 8192  # a worker's prefill batch when it registered no max_num_batched_tokens
+LONGEST_CONTEXT = 1 << 22  # a worker's max_model_len when it registered none: past what engines serve in practice
 NO_CONTEXT_WARN_AFTER = 20  # decoding readings without decode_context, and none ever with, before a warning
 DROPPED_WARN_AFTER = 5  # busy stretches dropped, and none ever fitted, before a warning
 CLAMP_WARN_FITS = 5  # fits in a row past the bounds before a warning
@@ -303,14 +308,20 @@ def timing_of(info: WorkerInfo, fitted: WorkerTiming | None) -> WorkerTiming | N
     )
 
 
-def _readable(engine_s: float, wall_s: float, contexts: tuple[float, float], max_model_len: int | None) -> bool:
+def _readable(
+    engine_s: float, wall_s: float, contexts: tuple[float, float], step_tokens: float, info: WorkerInfo
+) -> bool:
     """Whether a stretch's figures can be true: finite, the engine's time not twice the wall's
-    (a second's leeway: the engine is read every 0.25 s), no mean context past the model's."""
+    (a second's leeway: the engine is read every 0.25 s), no mean context past the model's, and
+    steps of no more tokens than one counts: a prompt's whole at its last chunk, and whole prompts
+    in the rest of the budget (read, a step of 10^10 tokens was priced in 10^6 chunks, seconds)."""
     if not (math.isfinite(engine_s) and all(math.isfinite(c) for c in contexts)):
         return False
     if engine_s > 2 * max(wall_s, 0.0) + 1.0:
         return False
-    return max_model_len is None or max(contexts) <= max_model_len
+    if step_tokens > (info.max_model_len or LONGEST_CONTEXT) + (info.max_num_batched_tokens or FULL_BATCH_TOKENS):
+        return False
+    return info.max_model_len is None or max(contexts) <= info.max_model_len
 
 
 def _late(prev: LoadReport, report: LoadReport) -> bool:
@@ -551,14 +562,17 @@ class Calibration:
             return
         started, running = prev.running > 0, report.running > 0
         contexts = (prev.decode_context, report.decode_context)
-        if y < 0 or not _readable(y, report.ts - prev.ts, contexts, info.max_model_len):
+        steps = report.iterations - prev.iterations
+        step_tokens = (report.iteration_tokens - prev.iteration_tokens) / steps if steps > 0 else 0.0
+        if y < 0 or not _readable(y, report.ts - prev.ts, contexts, step_tokens, info):
             # In the fit's sums it would stay for good (an inf or NaN: decay never clears it) or for
             # hours (a finite absurdity). The stretch cannot be read.
             self._drop(
                 worker,
                 started or running,
-                "its readings cannot be true (the engine's clock running back, or ahead of the wall's, or a "
-                "decode context past max_model_len): check the shim host's clock",
+                "its readings cannot be true (the engine's clock running back, or ahead of the wall's: check the "
+                "shim host's clock; or a decode context past max_model_len, or steps of more tokens than a prompt "
+                "at max_model_len and a batch beside it: check the shim's counters)",
             )
             return
         spacings = self._spacings.setdefault(worker, deque(maxlen=SPACINGS))

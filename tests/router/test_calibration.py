@@ -14,6 +14,7 @@ from protocol import LoadReport, WorkerInfo
 from protocol.timing import DEFAULT_PROFILE, TimingModel, speed_profile
 from router.calibration import (
     DROPPED_WARN_AFTER,
+    LONGEST_CONTEXT,
     MAX_SCALE,
     MAX_WINDOW_S,
     MIN_SCALE,
@@ -572,6 +573,21 @@ def test_prompts_longer_than_a_step_on_a_prefill_engine_are_priced_in_their_chun
                                      iterations=iterations, iteration_tokens=tokens))  # fmt: skip
     assert cal.dropped() == {}
     assert _fitted(cal, info).prefill_scale == pytest.approx(k_p, rel=0.1)
+
+
+@pytest.mark.parametrize(("max_model_len", "limit"), [(131072, 131072 + MNBT), (None, LONGEST_CONTEXT + MNBT)])
+def test_steps_of_more_tokens_than_a_prompt_can_hold_are_unreadable(max_model_len: int | None, limit: int) -> None:
+    """A report's step that counts more tokens than a prompt at max_model_len and a budget beside it
+    cannot be true: before, a prefill-only interval with iteration_tokens +10^10 was priced in 10^6
+    chunks of MNBT tokens, holding the event loop for seconds (review of 6188f59). Now it drops its
+    stretch, counted, as any figures that cannot be true; one step at the limit is read."""
+    info = msgspec.structs.replace(_info(), max_model_len=max_model_len)
+    for tokens, dropped in ((limit, {}), (limit + 1, {"w": 1}), (10**10, {"w": 1})):
+        cal = Calibration()
+        cal.observe(info, LoadReport(worker="w", ts=100.0, running=1, period_s=0.5))
+        cal.observe(info, LoadReport(worker="w", ts=100.5, running=1, period_s=0.5, iterations=1,
+                                     iteration_tokens=tokens, prefill_requests=1))  # fmt: skip
+        assert cal.dropped() == dropped, tokens
 
 
 class SharedPrefixEngine(SyntheticEngine):
