@@ -77,8 +77,10 @@ prefill counts no step until its last chunk; read, such a report ran the clock b
 window). A step back of the shim host's clock while a busy engine counts no step looks the same: it
 is read at the report that counts one (or is stamped past the last), a clock fault when the step is
 past the time to it, busy time short by the step when not, as a step within any interval is (`_late`).
-Idle at both, such a report is read as a new baseline: a step back then costs nothing, a late report
-makes the next interval a period longer.
+Idle at both, such a report is read as a new baseline: a step back then costs nothing, but a late
+report puts the baseline back by the time between the two readings, and when the engine
+starts in the next interval, that interval can pass MAX_GAP_PERIODS: it is dropped as readings gone
+missing around a start (counted), and the stretch's window opens at the reading after it.
 
 Each window is weighed by how far its y can be from k_d x_d + k_p x_p: one reading's resolution
 (READ_ERROR_S) and each proxy's own error, DECODE_PROXY_ERROR of x_d and PREFILL_PROXY_ERROR of
