@@ -542,7 +542,80 @@ async def test_another_engine_taking_the_url_after_a_restart_starts_the_next_ses
             norm.reset(exact=batch.complete)
         norm.apply(batch.events)
     assert norm.canonical_hashes() == set(block_hashes(c, TPB)) and norm.exact
-    assert adapter.tracker.restarts == 1
+    # runs 1→2 and 2→3: two restarts the stream showed, only the first ending a session (until
+    # later on 2026-12-08 the second was counted nowhere)
+    assert adapter.tracker.restarts == 2
+
+
+@pytest.mark.parametrize("end", ["proxy-503", "stop"])
+async def test_a_session_ended_before_the_engine_answered_hands_the_held_over_run_on(end: str) -> None:
+    """A restart's held-over run opens the next session, which ends before the engine answers its
+    first poll (a proxy's 503; a stop, as LIVE_TIMEOUT_S makes): the session after starts with that
+    run again, complete, and a block stored under it is indexed. Until 2026-12-08 the run was lost
+    with the session: the next one stayed partial and the child had an unknown parent."""
+    reads: list[list[Any]] = [[STATS]]
+    polls: list[list[Any] | int] = [[CREATED, stored(1, None, (11, [1] * TPB))]]  # an int: that status
+    hold = asyncio.Event()
+    held: list[bool] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response(reads.pop(0) if reads else [])
+
+    async def kv_cache_events(request: web.Request) -> web.Response:
+        if end == "stop" and len(held) == 1:
+            held.append(True)
+            await hold.wait()  # the engine holds this session's first poll until the stop
+            return web.json_response([])  # to no one
+        answer = polls.pop(0) if polls else []
+        return web.Response(status=answer) if isinstance(answer, int) else web.json_response(answer)
+
+    a, b, c = [2] * TPB, [3] * TPB, [4] * TPB
+    routes = {"/metrics": metrics, "/health": _ok, "/kv_cache_events": kv_cache_events}
+    async with _engine(routes) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+            await adapter.limits()
+            first = asyncio.create_task(adapter.run_events(collector([]), asyncio.Event()))
+            await until(lambda: adapter.tracker.last_id == 1, 5, "run 1's events")
+            polls.append([stored(2, 11, (12, [5] * TPB)), CREATED, stored(1, None, (21, a)), stored(2, 21, (22, b))])
+            with pytest.raises(EngineRestarted, match="went back from 2 to 0"):
+                await asyncio.wait_for(first, 5)
+            reads.append([STATS])
+            await adapter.limits()
+            live = asyncio.Event()
+            second = asyncio.create_task(adapter.run_events(collector([]), live))
+            if end == "proxy-503":
+                polls.append(503)
+                with pytest.raises(EngineError) as err:
+                    await asyncio.wait_for(second, 5)
+                assert err.value.code == 503
+            else:
+                held.append(True)
+                await until(lambda: len(held) == 2, 5, "the second session's first poll")
+                second.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await second
+                hold.set()
+            assert not live.is_set()
+            polls.append([stored(3, 22, (23, c))])  # a child of the held-over run's blocks
+            got: list[EngineBatch] = []
+            third = asyncio.create_task(adapter.run_events(collector(got), asyncio.Event()))
+            await until(lambda: adapter.tracker.last_id == 3, 5, "the third session's poll")
+            third.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await third
+        finally:
+            hold.set()
+            await adapter.close()
+    norm = Normaliser(TPB)
+    for batch in got:
+        if batch.reset:
+            norm.reset(exact=batch.complete)
+        norm.apply(batch.events)
+    assert norm.canonical_hashes() == set(block_hashes([*a, *b, *c], TPB))
+    assert norm.exact and norm.stats.unknown_parent == 0
+    assert (adapter.tracker.restarts, adapter.tracker.partial) == (1, 0)
 
 
 async def test_held_limits_go_with_a_fresh_engines_500_and_an_engine_gone() -> None:

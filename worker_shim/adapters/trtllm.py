@@ -357,6 +357,8 @@ class TrtllmAdapter(HttpEngineAdapter):
         self._limits: EngineLimits | None = None
         self._polled_at: float | None = None  # when the events poll last answered (or polling began)
         self._next_run: list[Any] = []  # the new run's events the poll that showed a restart drained
+        # _next_run as a session folded it, kept until the engine answers that session or one after
+        self._held_run: EngineBatch | None = None
         self._events_held_said = False
 
     async def close(self) -> None:
@@ -489,7 +491,7 @@ class TrtllmAdapter(HttpEngineAdapter):
         self._limits = None
         self._stats_seen = False
         self._empty_reads = 0
-        self._next_run = []  # a run gone with the engine
+        self._next_run, self._held_run = [], None  # a run gone with the engine
 
     def _stats(self, body: bytes) -> Any:
         """A /metrics answer's stats. [] after legs ended since the read before, from an engine that
@@ -526,6 +528,11 @@ class TrtllmAdapter(HttpEngineAdapter):
         # `live` and `answered`, and ids going back right after them ended this session too.
         answered = after_held = False
         try:
+            if self._held_run is not None:
+                # Folded by a session that ended before the engine answered (a proxy's 503, a stop,
+                # LIVE_TIMEOUT_S): until 2026-12-08 lost with it, and this session started partial.
+                await sink(self._held_run)
+                after_held = True
             while True:
                 # the new run's events the restart poll drained (no replay): folded first, with this session's limits
                 held, self._next_run = self._next_run, []
@@ -547,10 +554,9 @@ class TrtllmAdapter(HttpEngineAdapter):
                         ) from exc
                     raise
                 else:
-                    restarts = self.tracker.restarts
                     # malformed events: counted, logged once, dropped
                     batch = self.tracker.fold(events, after_held=after_held)
-                    if self.tracker.restarts != restarts and self.tracker.went_back is not None:
+                    if self.tracker.next_run and self.tracker.went_back is not None:
                         # Another engine run, maybe with other limits: the session ends (as the ZMQ
                         # engines' do) and the next reads them anew. Until 2026-12-08 the stream was
                         # reset and the session kept the old run's limits and worker id.
@@ -559,8 +565,10 @@ class TrtllmAdapter(HttpEngineAdapter):
                         old, new = self.tracker.went_back
                         raise EngineRestarted("trtllm", f"its KV event ids went back from {old} to {new}")
                 after_held = bool(held)
-                if not held:
-                    answered, self._polled_at = True, time.monotonic()
+                if held:
+                    self._held_run = batch
+                else:
+                    answered, self._polled_at, self._held_run = True, time.monotonic(), None
                     live.set()
                 if batch.events or batch.reset:
                     await sink(batch)

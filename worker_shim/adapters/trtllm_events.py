@@ -17,10 +17,12 @@ overflowed, or another reader drained them), a step back means the engine starte
 is no replay, so a gap resets the state, incomplete. A step back ends the fold there: the events
 from it on are the new run's, kept in `next_run` (the engine handed them over once), and the
 adapter ends the session and folds them first in the next (TrtllmAdapter.run_events), where they
-start from a complete reset at `created` event 0. Until 2026-12-08 they were folded into the
+start from a complete reset at `created` event 0, and delivers that fold again first in each
+session after until the engine answers one. Until 2026-12-08 they were folded into the
 batch the ended session dropped: the next session's state stayed partial and blocks stored under
 them had an unknown parent. A step back right after them (`after_held`: another engine took the
-URL since) is a reset, complete from its `created` event 0, not another restart. The start is the
+URL since) is a reset, complete from its `created` event 0, counted in `restarts` but not ending
+the session as a restart does. The start is the
 engine's `created` events, one per attention window size: a model with sliding-window layers
 (VSWA) has one per window, numbered on, and caches each block once per window. Only the largest
 window's blocks hold a prompt's whole prefix, so only its `stored` and `removed` events are
@@ -205,7 +207,7 @@ class TrtllmEventTracker:
         """One poll's events up to a restart (the rest in `next_run`); raises ConfigError once they
         come from a second attention-DP rank. `after_held`: the fold before was a restart's held-over
         events, and this poll is the first answer of the engine whose limits the session read: ids
-        going back are that engine's start, a reset, not another restart."""
+        going back are that engine's start: a restart counted, folded as a reset, no `next_run`."""
         batch = EngineBatch()
         self.next_run = []
         if not isinstance(events, list):
@@ -227,7 +229,10 @@ class TrtllmEventTracker:
             kind = data.get("type") if isinstance(data, dict) else None
             if self.last_id is not None and eid <= self.last_id and after_held:
                 # Until 2026-12-08 a second restart: the session ended again, having published the
-                # held-over run's blocks as exact with this engine's block size.
+                # held-over run's blocks as exact with this engine's block size. A restart all the
+                # same, counted (until later that day, not), but the session goes on.
+                self.restarts += 1
+                self.went_back = (self.last_id, eid)
                 log.info(
                     "KV event ids went back from %d to %d right after the events held over from the last restart: "
                     "another engine took the URL since; its events start the state afresh",
