@@ -22,7 +22,14 @@ def frozen(pid: int) -> Iterator[None]:
 
 
 def stopped(pid: int) -> bool:
-    """Whether `pid` is stopped now: SIGSTOP lands late on a loaded machine, and a server asked
-    meanwhile still answers."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()[0] == "T"
+    """Whether every thread of `pid` is stopped now: SIGSTOP lands late on a loaded machine, and a
+    server asked meanwhile still answers. Each thread stops on its own way back to user space, so
+    the main thread stopped says nothing of the rest (nats-server's network threads among them)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] != "T":
+                    return False
+        except FileNotFoundError:  # the thread exited meanwhile
+            continue
+    return True

@@ -37,6 +37,7 @@ from protocol import (
 from protocol.config import EtcdSettings
 from runtime import cancel_and_wait
 from runtime.nats_flush import flush
+from tests.runtime.frozen import stopped
 from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
 from tests.worker_shim.test_http_server import health
 from tests.worker_shim.test_request_service import Collector, gen
@@ -515,6 +516,7 @@ async def test_a_stop_during_a_retirements_last_close_ends_it_under_the_stops_ba
             assert pid is not None
             os.kill(pid, signal.SIGSTOP)
             try:
+                await wait_for(lambda: stopped(pid), 5, "nats-server stopped")  # SIGSTOP lands late
                 ended.set()
                 await wait_for(lambda: not presence.subs, 5, "the retirement's last close under way")
                 await shim._close_retired(timeout=0.5)  # the stop's barrier
@@ -564,6 +566,7 @@ async def test_a_stop_with_nats_frozen_closes_every_worker_id_under_one_short_ba
             assert pid is not None
             os.kill(pid, signal.SIGSTOP)
             try:
+                await wait_for(lambda: stopped(pid), 5, "nats-server stopped")  # SIGSTOP lands late
                 started = time.monotonic()
                 await shim._end_session()
                 took = time.monotonic() - started
@@ -619,6 +622,7 @@ async def test_a_stop_cancelling_a_re_registration_mid_subscribe_closes_its_id_w
             assert pid is not None
             os.kill(pid, signal.SIGSTOP)
             try:
+                await wait_for(lambda: stopped(pid), 5, "nats-server stopped")  # SIGSTOP lands late
                 hook = asyncio.create_task(shim._before_announce("new"))  # Registration: before_create
                 # The hook's flush is held here for certain: in CI once it returned with the server
                 # stopped, and the hook went on past it.
@@ -666,6 +670,7 @@ async def test_a_retirements_close_that_fails_after_its_caller_was_cancelled_is_
             assert pid is not None
             os.kill(pid, signal.SIGSTOP)
             try:
+                await wait_for(lambda: stopped(pid), 5, "nats-server stopped")  # SIGSTOP lands late
                 closing = asyncio.create_task(WorkerShim._unsubscribe([old], old.subs, 0.3, 0.3))
                 await asyncio.sleep(0)  # its first step: the close under way, shielded
                 assert old.closing is not None and not old.closing.done()
