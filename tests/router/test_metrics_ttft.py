@@ -38,6 +38,7 @@ async def _sums(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     return out
 
 
+@pytest.mark.timing  # the router's TTFT within 50 ms of the client's, an HTTP exchange apart: loaded, 78 ms
 async def test_ttft_counts_from_arrival_and_upstream_ttft_from_dispatch(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:

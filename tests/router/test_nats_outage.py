@@ -332,6 +332,7 @@ async def test_a_stream_through_a_nats_hung_for_less_than_the_wait_goes_on(
     assert router.dispatcher.retries == 0 and marked == []
 
 
+@pytest.mark.timing  # a live server's round trip within a heartbeat (0.1 s), a late one's in 0.1-0.3 s
 async def test_a_nats_that_answers_late_is_late_and_no_outage_and_one_that_does_not_is_no_answer(
     own_nats: NatsServer,
 ) -> None:
