@@ -80,6 +80,22 @@ class _Fresh:
                 "/v1/completions": self.completions}  # fmt: skip
 
 
+def _scripted(reads: list[list[Any]], health: dict[str, int], polls: list[list[Any]]) -> dict[str, Any]:
+    """An engine's /metrics, /health and /kv_cache_events, answered from `reads`, `health` and `polls`
+    as the test changes them (an empty list answers [])."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response(reads.pop(0) if reads else [])
+
+    async def health_route(request: web.Request) -> web.Response:
+        return web.Response(status=health["status"])
+
+    async def kv_cache_events(request: web.Request) -> web.Response:
+        return web.json_response(polls.pop(0) if polls else [])
+
+    return {"/metrics": metrics, "/health": health_route, "/kv_cache_events": kv_cache_events}
+
+
 @pytest.mark.parametrize(
     ("block_size", "stats_first"), [(None, False), (TPB, False), (None, True)], ids=["no-flag", "block-size", "events"]
 )
@@ -202,18 +218,8 @@ async def test_the_limits_read_hold_for_an_idle_engines_empty_answers_until_it_m
     reads: list[list[Any]] = []
     health = {"status": 200}
 
-    async def metrics(request: web.Request) -> web.Response:
-        return web.json_response(reads.pop(0) if reads else [])
-
-    async def health_route(request: web.Request) -> web.Response:
-        return web.Response(status=health["status"])
-
     polls = [[CREATED, stored(1, None, (11, [1] * TPB))], [CREATED]]
-
-    async def kv_cache_events(request: web.Request) -> web.Response:
-        return web.json_response(polls.pop(0) if polls else [])
-
-    routes = {"/metrics": metrics, "/health": health_route, "/kv_cache_events": kv_cache_events}
+    routes = _scripted(reads, health, polls)
     async with _engine(routes) as url:
         adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
         await adapter.open()
@@ -337,16 +343,7 @@ async def test_a_streams_first_poll_from_zero_is_a_restart_only_against_limits_h
     health = {"status": 200}
     polls: list[list[Any]] = [[CREATED, stored(1, None, (11, [1] * TPB))]]
 
-    async def metrics(request: web.Request) -> web.Response:
-        return web.json_response(reads.pop(0) if reads else [])
-
-    async def health_route(request: web.Request) -> web.Response:
-        return web.Response(status=health["status"])
-
-    async def kv_cache_events(request: web.Request) -> web.Response:
-        return web.json_response(polls.pop(0) if polls else [])
-
-    routes = {"/metrics": metrics, "/health": health_route, "/kv_cache_events": kv_cache_events}
+    routes = _scripted(reads, health, polls)
     async with _engine(routes) as url:
         adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
         await adapter.open()
@@ -439,17 +436,8 @@ async def test_the_new_runs_events_the_restart_poll_drained_open_the_next_sessio
     health = {"status": 200}
     polls: list[list[Any]] = [[CREATED, stored(1, None, (11, [1] * TPB))]]
 
-    async def metrics(request: web.Request) -> web.Response:
-        return web.json_response(reads.pop(0) if reads else [])
-
-    async def health_route(request: web.Request) -> web.Response:
-        return web.Response(status=health["status"])
-
-    async def kv_cache_events(request: web.Request) -> web.Response:
-        return web.json_response(polls.pop(0) if polls else [])
-
     a, b, c = [2] * TPB, [3] * TPB, [4] * TPB
-    routes = {"/metrics": metrics, "/health": health_route, "/kv_cache_events": kv_cache_events}
+    routes = _scripted(reads, health, polls)
     async with _engine(routes) as url:
         adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
         await adapter.open()
