@@ -50,6 +50,14 @@ def answer_deadline(ttl: float) -> float:
     return min(2 * renewal_interval(ttl), ttl - RETRY_ROOM_S)
 
 
+def _unexpected(exc: BaseException) -> Exception | None:
+    """`exc` when a revoke raised it and it is no failure of etcd's (gRPC, etcd3aio, the network:
+    TimeoutError is an OSError), a defect to be said with its traceback; else None."""
+    if isinstance(exc, (grpc.RpcError, EtcdError, OSError)) or not isinstance(exc, Exception):
+        return None
+    return exc
+
+
 class LeaseLost(RuntimeError):
     def __init__(self, lease_id: int, why: str) -> None:
         self.lease_id = lease_id
@@ -129,12 +137,10 @@ class Lease:
             defect: Exception | None = None
             try:
                 failure = await self._revoke_renewing(min(3.0, self.ttl)) if self._client.lease is not None else None
-            except (grpc.RpcError, EtcdError, OSError) as again:  # etcd's failure, raised (as in revoke())
-                failure = again
             except Exception as again:  # the same defect may stand in its way: its TTL it is, then
                 # another defect is an ERROR with its traceback (as in revoke()); this one's is just above
                 failure = again
-                defect = None if again is exc else again
+                defect = None if again is exc else _unexpected(again)
             if failure is not None:
                 self._say_unrevoked(said(failure), defect)
             self._mark_lost(f"its keep-alive failed: {exc!r}", gone=failure is None)
@@ -236,7 +242,9 @@ class Lease:
             call.cancel()
 
     def _mark_lost(self, why: str, *, gone: bool = True) -> None:
-        """`gone`: etcd's own word; not when its keep-alive failed on a defect and so did its revoke."""
+        """`gone`: etcd's own word, or no revoke left to try (its keep-alive failed on a defect with
+        the etcd client closed: Discovery.close() revokes its leases); not when that defect's revoke
+        failed."""
         if not self.lost.is_set():
             self._gone = gone
             self.lost_reason = why
@@ -258,12 +266,10 @@ class Lease:
         defect: Exception | None = None
         try:
             failure = await self._revoke_renewing(timeout)
-        except (grpc.RpcError, EtcdError, OSError) as exc:  # etcd's failure, raised (TimeoutError an OSError)
-            failure = exc
-        except Exception as exc:  # the defect that ended its keep-alive may stand here too (_keep_alive)
+        except Exception as exc:  # etcd's failure raised, or the defect that ended its keep-alive (_keep_alive):
             # said, not raised: raised, it failed each round's release before registering anew, never
             # waiting out the lease, and stop() raised (review of 2026-12-08)
-            failure = defect = exc
+            failure, defect = exc, _unexpected(exc)
         # or revoke_now (a second SIGTERM) revoked it while this one waited on etcd
         self._gone = self._gone or failure is None
         if failure is not None and not self._gone:
@@ -306,7 +312,8 @@ class Lease:
         thread.start()
         thread.join(timeout + 0.1)
         if thread.is_alive() or failure:
-            self._say_unrevoked(said(failure[0]) if failure else "no answer in time")
+            why = said(failure[0]) if failure else "no answer in time"
+            self._say_unrevoked(why, _unexpected(failure[0]) if failure else None)
             return
         self._state = LeaseState.REVOKED
         self._gone = True

@@ -318,9 +318,7 @@ class Registration:
         fail, so the owner acts. (It returns only once the registration failed, and said why.)"""
         if self.failed.is_set():
             return
-        self.failure = DiscoveryError(f"the registration's supervisor of {self.key} crashed")
-        self._phase = RegistrationState.FAILED
-        self.failed.set()
+        self._fail(DiscoveryError(f"the registration's supervisor of {self.key} crashed"))
 
     async def _supervise(self) -> None:
         retry = RETRY_MIN_S
@@ -501,10 +499,8 @@ class Registration:
     def _taken(self, exc: KeyTaken, what: str) -> None:
         """Another live lease holds our key or a claim: a second owner (the same name twice), which
         only an operator can settle. Fail, so this owner acts (a shim exits naming --worker-name)."""
-        self.failure = exc
-        self._phase = RegistrationState.FAILED
         log.error("%s: %s; is another process using the same name?", what, exc)
-        self.failed.set()
+        self._fail(exc)
 
     async def _tell(self, hook: Callable[[str], Awaitable[None]], rid: str) -> bool:
         """Run an owner's hook; one that raises fails the registration (the owner must act)."""
@@ -530,12 +526,14 @@ class Registration:
         """A setting no retry mends (etcd's or the owner's hook's ConfigError): until a review of
         2026-12-08 one etcd refused was blamed on the owner's hook."""
         log.error("registering %s again failed: %s", self._key(rid), exc)
-        self.failure = exc
-        self._phase = RegistrationState.FAILED
-        self.failed.set()
+        self._fail(exc)
 
     def _hook_failed(self, rid: str, exc: Exception) -> None:
         log.error("the owner's hook for %s failed", self._key(rid), exc_info=exc)
-        self.failure = DiscoveryError(f"the owner's hook failed: {exc!r}")
+        self._fail(DiscoveryError(f"the owner's hook failed: {exc!r}"))
+
+    def _fail(self, failure: DiscoveryError | ConfigError) -> None:
+        """Failed for good, with `failure` (said by the caller): the owner acts."""
+        self.failure = failure
         self._phase = RegistrationState.FAILED
         self.failed.set()
