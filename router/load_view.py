@@ -34,8 +34,7 @@ moved forward by the step (2026-12-08) went past its report's making once the cl
 again, or the delivery slowed, by as much (every stamp 0.2 s past its making for good after back
 5 s, forward 1.2 s), and a report made before a booking covered it. So a booking made after a step
 back of S counts, in the reports and as a booking, until the worker's own clock passes it (up to
-S), erring toward counting it longer; a stored stamp never passes the newest of the one before and
-the stamp as sent. The step drops the releases held for that worker (judged on the stamps before
+S), erring toward counting it longer. The step drops the releases held for that worker (judged on the stamps before
 it), and none is recorded while its clock is behind its newest stamp (a report made before a first
 token and still on the way then counts that prompt as queued until the next one). Once its clock
 passes that stamp but stays S behind ours, it is a clock behind (Skew above) by S: releases wait

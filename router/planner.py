@@ -499,7 +499,7 @@ class Planner:
             self.disagg.record(plan.outcome)
             self._reached(ctx, held, ctx.cached_tokens(plan.decode), plan)
         else:
-            pools = ctx.decode_pool, [*ctx.prefill_pool, *failing]
+            pools = ctx.decode_pool, ctx.prefill_pool  # references: _keep_room puts new lists on ctx
             prefill_full = self._keep_room(ctx)
             if not ctx.decode_pool:
                 return None  # room to decode, but no decode worker the policy lets prefill it
@@ -554,7 +554,7 @@ class Planner:
         decode worker it left out for room would serve the request."""
         plan = self.disagg.plan(ctx, prefill_full=prefill_full, prefill_failing=prefill_failing)
         if plan is None:
-            raise _no_remote_prefill(ctx, *before_room)
+            raise _no_remote_prefill(ctx, before_room[0], (*before_room[1], *prefill_failing))
         self.disagg.chosen(plan)
         if (
             plan.outcome in _UNPAIRED
@@ -701,7 +701,7 @@ def _no_remote_prefill(
     request is refused rather than left to wait: at the head of its model's line it would hold up
     every request behind it that a worker with room serves."""
     kept = {id(c) for c in ctx.decode_pool}
-    engines = {c.info.engine for c in prefill}
+    engines = {c.info.engine for c in prefill}  # the pool before _keep_room and the failing
     if any(
         c.info.role == "agg" or c.info.local_prefill or (not ctx.shape.local_prefill_only and c.info.engine in engines)
         for c in decode
