@@ -185,7 +185,8 @@ class Scheduler:
     def finish_remote_load(self, request_id: str, ok: bool) -> bool | None:
         """A remote-KV transfer ended: on success only the last prompt token remains to compute.
         On failure the request ends with finish reason "error" (vLLM's default policy: False is
-        returned), or, recomputing, prefills locally from its own cache hit. None, changing
+        returned), or, recomputing, prefills locally: into its own cache hit, or, with none, after a
+        fresh lookup (its pull's blocks freed, as vLLM's). None, changing
         nothing, when no request waits for it (aborted during the pull)."""
         req = self.requests.get(request_id)
         if req is None or req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:

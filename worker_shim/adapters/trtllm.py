@@ -556,12 +556,13 @@ class TrtllmAdapter(HttpEngineAdapter):
                 else:
                     # malformed events: counted, logged once, dropped
                     batch = self.tracker.fold(events, after_held=after_held)
-                    if self.tracker.next_run and self.tracker.went_back is not None:
+                    if self.tracker.next_run:
                         # Another engine run, maybe with other limits: the session ends (as the ZMQ
                         # engines' do) and the next reads them anew. Until 2026-12-08 the stream was
                         # reset and the session kept the old run's limits and worker id.
                         self._forget_engine()
                         self._next_run = self.tracker.next_run  # no replay: the next session's first
+                        assert self.tracker.went_back is not None, "set with next_run"
                         old, new = self.tracker.went_back
                         raise EngineRestarted("trtllm", f"its KV event ids went back from {old} to {new}")
                 after_held = bool(held)

@@ -227,27 +227,24 @@ class TrtllmEventTracker:
                 raise attention_dp_error(self.ranks)
             data = ev.get("data")
             kind = data.get("type") if isinstance(data, dict) else None
-            if self.last_id is not None and eid <= self.last_id and after_held:
+            if self.last_id is not None and eid <= self.last_id:
+                self.restarts += 1
+                last, self.last_id, self.window = self.last_id, None, None  # a restarted engine may have other windows
+                if not after_held:
+                    # Another engine run: its events are for the next fold, its ids compared with its own.
+                    self.went_back = (last, eid)
+                    self.next_run = events[at:]
+                    return batch
                 # Until 2026-12-08 a second restart: the session ended again, having published the
                 # held-over run's blocks as exact with this engine's block size. A restart all the
                 # same, counted (until later that day, not), but the session goes on.
-                self.restarts += 1
-                self.went_back = (self.last_id, eid)
                 log.info(
                     "KV event ids went back from %d to %d right after the events held over from the last restart: "
                     "another engine took the URL since; its events start the state afresh",
-                    self.last_id,
+                    last,
                     eid,
                 )
-                self.last_id, self.window = None, None
                 self._reset(batch, complete=False)  # complete from its created event 0 (_step)
-            elif self.last_id is not None and eid <= self.last_id:
-                # Another engine run: its events are for the next fold, its ids compared with its own.
-                self.restarts += 1
-                self.went_back = (self.last_id, eid)
-                self.last_id, self.window = None, None  # a restarted engine may have other windows
-                self.next_run = events[at:]
-                return batch
             self._step(eid, kind, batch)
             if not isinstance(data, dict):
                 self._malformed(EventDecodeError("trtllm", "an event without data"))
