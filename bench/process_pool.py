@@ -14,6 +14,7 @@ too, stops them as above (each worker's KeyboardInterrupt was a traceback of its
 
 from __future__ import annotations
 
+import concurrent.futures.process as _futures_process
 import contextlib
 import signal
 import threading
@@ -54,5 +55,9 @@ def process_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
         manager = getattr(pool, "_executor_manager_thread", None)  # no public handle (typeshed: a wakeup)
         if isinstance(manager, threading.Thread):
             manager.join(max(0.0, deadline - time.monotonic()))
+            # Still running on a loaded box (CI, 2026-12-08), the race stood: its wakeup is taken
+            # from the exit hook's list (the thread ends on its dead workers' sentinels, and
+            # threading's shutdown still joins it).
+            getattr(_futures_process, "_threads_wakeups", {}).pop(manager, None)
         raise
     pool.shutdown(wait=True)
